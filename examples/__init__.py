@@ -1,0 +1,1 @@
+"""Example model configs, cluster examples and plans; installed as data under ``moeplan.examples``."""

@@ -1,0 +1,124 @@
+"""Compile a model for a target into a Plan: trace, search layouts, run the pass pipeline, build the plan.
+
+Also turns a saved plan back into a PlanState (:func:`state_from_plan`) so ``moeplan simulate`` can re-simulate its
+decisions with freshly computed costs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from moeplan import __version__
+from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline
+from moeplan.layout import Layout
+from moeplan.passes.shard import ShardPass
+from moeplan.passes.simulate import SimulatePass
+from moeplan.plan import (SCHEMA_VERSION, Plan, PlanCollective, PlanComm, PlanExperts, PlanLayerCost, PlanLayout,
+                          PlanMemory, PlanModel, PlanPrediction, PlanProvenance, PlanRankMemory, PlanSchedule,
+                          PlanSharding, PlanStages)
+from moeplan.search import Evaluated, Fixed, SearchResult, search
+from moeplan.spec import ModelSpec
+from moeplan.state import (CommOp, ExpertPlacement, MemoryPlan, PlanState, Schedule, StageMemory, StagePlan)
+from moeplan.targets import Target
+from moeplan.trace import trace_model
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    plan: Plan
+    result: SearchResult
+    compile_s: float
+
+
+def compile_model(*, spec: ModelSpec, target: Target, num_devices: int, fixed: Fixed,
+                  pipeline: str = DEFAULT_PIPELINE, candidates: int = 16, workers: int | None = None) -> CompileResult:
+    """Trace ``spec``, search layouts for ``num_devices`` devices of ``target`` and return the best plan.
+
+    Raises SpecError / LayoutError / PlanError for bad input and InfeasibleError when no layout fits in memory.
+    """
+    t0 = time.perf_counter()
+    parse_pipeline(pipeline)  # reject a bad pipeline before any work
+    graph = trace_model(spec, seq_len=fixed.seq_len)
+    trace_s = time.perf_counter() - t0
+    result = search(graph=graph, target=target, num_devices=num_devices, fixed=fixed, pipeline=pipeline,
+                    candidates=candidates, workers=workers)
+    compile_s = time.perf_counter() - t0
+    plan = plan_from_state(result.ranked[0], pipeline=pipeline, compile_s=compile_s, trace_s=trace_s)
+    return CompileResult(plan=plan, result=result, compile_s=compile_s)
+
+
+def _collective(c: CommOp) -> PlanCollective:
+    return PlanCollective(comm_class=c.comm_class, kind=c.kind, phase=c.phase, bytes=c.bytes,
+                          group_size=c.group_size, tier=c.tier, time_s=c.time_s)
+
+
+def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: float = 0.0) -> Plan:
+    """Build the Plan of a fully compiled state."""
+    st = ev.state
+    assert st.sharding and st.stages and st.experts and st.memory and st.schedule and st.prediction
+    lay, spec, pred = st.layout, st.graph.spec, st.prediction
+    return Plan(
+        schema_version=SCHEMA_VERSION,
+        model=PlanModel(name=spec.name, fingerprint=spec.fingerprint(), spec=spec),
+        target=st.target,
+        layout=PlanLayout(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, ep=lay.ep, etp=lay.etp, cp=lay.cp, dp=lay.dp,
+                          micro_batch=lay.micro_batch, global_batch=lay.global_batch, seq_len=lay.seq_len,
+                          num_devices=lay.world_size, num_microbatches=lay.num_microbatches,
+                          sequence_parallel=lay.sequence_parallel, tp_extend_ep=lay.tp_extend_ep),
+        stages=PlanStages(chunks=[[list(c) for c in r] for r in st.stages.chunks],
+                          chunk_time_s=[list(r) for r in st.stages.chunk_time_s], imbalance=st.stages.imbalance,
+                          empty_layers=list(st.stages.empty_layers), reason=st.stages.reason),
+        sharding=PlanSharding(
+            expert_shards=lay.expert_shards, expert_dp=lay.expert_dp, p2p=_collective(st.sharding.p2p),
+            layers={k.value: PlanLayerCost(fwd_s=c.fwd_s, bwd_input_s=c.bwd_input_s, bwd_weight_s=c.bwd_weight_s,
+                                           params=c.params, saved_bytes=c.saved_bytes,
+                                           collectives=[_collective(x) for x in c.comm])
+                    for k, c in st.sharding.layer_costs.items()}),
+        experts=PlanExperts(shards=[list(s) for s in st.experts.shards], groups_aligned=st.experts.groups_aligned),
+        memory=PlanMemory(budget_bytes=st.memory.budget_bytes, ranks=[
+            PlanRankMemory(pp_rank=m.pp_rank, recompute=m.recompute, params_bytes=m.params_bytes,
+                           grads_bytes=m.grads_bytes, optimizer_bytes=m.optimizer_bytes,
+                           activation_bytes=m.activation_bytes, workspace_bytes=m.workspace_bytes,
+                           total_bytes=m.total_bytes, in_flight_microbatches=m.in_flight_microbatches)
+            for m in st.memory.stages]),
+        schedule=PlanSchedule(kind=st.schedule.kind, actions=[list(a) for a in st.schedule.actions]),
+        comm=PlanComm(),
+        prediction=PlanPrediction(step_time_s=pred.step_time_s, tokens_per_s=pred.tokens_per_s, mfu=pred.mfu,
+                                  hfu=pred.hfu, bubble=pred.bubble, peak_memory_bytes=list(pred.peak_memory_bytes),
+                                  exposed_comm_s=dict(pred.exposed_comm_s),
+                                  model_flops_per_step=pred.model_flops_per_step),
+        provenance=PlanProvenance(moeplan_version=__version__, pipeline=pipeline,
+                                  pass_s={"trace": trace_s, **dict(ev.pass_s)}, compile_s=compile_s))
+
+
+def layout_of(plan: Plan) -> Layout:
+    p = plan.layout
+    return Layout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, dp=p.dp, micro_batch=p.micro_batch,
+                  global_batch=p.global_batch, seq_len=p.seq_len)
+
+
+def state_from_plan(plan: Plan) -> PlanState:
+    """Rebuild the plan's decisions on freshly traced and sharded costs (for re-simulation)."""
+    spec = plan.model.spec
+    state = PlanState(graph=trace_model(spec, seq_len=plan.layout.seq_len), target=plan.target,
+                      layout=layout_of(plan))
+    state = ShardPass().run(state)
+    stages = StagePlan(chunks=tuple(tuple(tuple(c) for c in r) for r in plan.stages.chunks),
+                       chunk_time_s=tuple(tuple(r) for r in plan.stages.chunk_time_s),
+                       imbalance=plan.stages.imbalance, empty_layers=tuple(plan.stages.empty_layers),
+                       reason=plan.stages.reason)
+    memory = MemoryPlan(budget_bytes=plan.memory.budget_bytes, stages=tuple(
+        StageMemory(pp_rank=m.pp_rank, recompute=m.recompute, params_bytes=m.params_bytes,
+                    grads_bytes=m.grads_bytes, optimizer_bytes=m.optimizer_bytes,
+                    activation_bytes=m.activation_bytes, workspace_bytes=m.workspace_bytes,
+                    in_flight_microbatches=m.in_flight_microbatches) for m in plan.memory.ranks))
+    return state.with_(stages=stages, memory=memory,
+                       experts=ExpertPlacement(shards=tuple(tuple(s) for s in plan.experts.shards),
+                                               groups_aligned=plan.experts.groups_aligned),
+                       schedule=Schedule(kind=plan.schedule.kind,
+                                         actions=tuple(tuple(a) for a in plan.schedule.actions)))
+
+
+def resimulate(plan: Plan) -> PlanState:
+    """Re-simulate a saved plan's decisions; returns the state with a fresh prediction."""
+    return SimulatePass().run(state_from_plan(plan))

@@ -1,0 +1,96 @@
+"""Rich rendering of compile, describe and simulate results for the CLI (the core never imports this)."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from moeplan.plan import MFU_DEFINITION, Plan
+from moeplan.search import SearchResult
+
+GIB = 1024**3
+
+
+def compact(names: list[str]) -> str:
+    """``['embedding', 'layers.0', 'layers.1', 'layers.2', 'mtp.0']`` → ``'embedding, layers.0-2, mtp.0'``."""
+    out: list[str] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        if run:
+            out.append(f"layers.{run[0]}" if len(run) == 1 else f"layers.{run[0]}-{run[-1]}")
+            run.clear()
+
+    for n in names:
+        if n.startswith("layers.") and (not run or int(n.split(".")[1]) == run[-1] + 1):
+            run.append(int(n.split(".")[1]))
+            continue
+        flush()
+        if n.startswith("layers."):
+            run.append(int(n.split(".")[1]))
+        else:
+            out.append(n)
+    flush()
+    return ", ".join(out)
+
+
+def layout_dict(plan: Plan) -> dict:
+    p = plan.layout
+    return {k: getattr(p, k) for k in ("tp", "pp", "vpp", "ep", "etp", "cp", "dp", "micro_batch", "global_batch",
+                                       "seq_len")}
+
+
+def predicted_dict(plan: Plan) -> dict:
+    p = plan.prediction
+    return {"step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "hfu": p.hfu,
+            "bubble": p.bubble, "peak_memory_bytes": p.peak_memory_bytes, "exposed_comm_s": p.exposed_comm_s,
+            "mfu_definition": MFU_DEFINITION}
+
+
+def render_plan(console: Console, plan: Plan) -> None:
+    """Layout, prediction, stages and memory of a plan."""
+    lay, pred = plan.layout, plan.prediction
+    console.print(f"[bold]{plan.model.name}[/] on {lay.num_devices} × {plan.target.name}"
+                  f"{':' + plan.target.variant if plan.target.variant else ''} — "
+                  f"tp {lay.tp} · pp {lay.pp} · vpp {lay.vpp} · ep {lay.ep} · etp {lay.etp} · cp {lay.cp} · "
+                  f"dp {lay.dp} · micro-batch {lay.micro_batch} · {lay.num_microbatches} micro-batches of "
+                  f"{lay.global_batch} × {lay.seq_len}")
+    t = Table(title="predicted step", show_header=False)
+    t.add_row("step time", f"{pred.step_time_s:.3f} s")
+    t.add_row("tokens/s", f"{pred.tokens_per_s:,.0f}")
+    t.add_row("MFU", f"{pred.mfu:.1%}  ({MFU_DEFINITION})")
+    t.add_row("HFU", f"{pred.hfu:.1%}  (executed FLOPs incl. recompute and MTP)")
+    t.add_row("bubble", f"{pred.bubble:.2%}  ({plan.schedule.kind})")
+    t.add_row("exposed comm", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pred.exposed_comm_s.items() if v))
+    console.print(t)
+    st = Table(title=f"stages (slowest chunk {plan.stages.imbalance:+.1%} over the mean)")
+    for col in ("pp rank", "chunk", "stage", "layers", "time/mb"):
+        st.add_column(col)
+    for r, chunks in enumerate(plan.stages.chunks):
+        for c, names in enumerate(chunks):
+            st.add_row(str(r), str(c), str(c * lay.pp + r), compact(names),
+                       f"{plan.stages.chunk_time_s[r][c] * 1e3:.1f} ms")
+    console.print(st)
+    console.print(f"[dim]{plan.stages.reason}[/]")
+    mt = Table(title=f"memory per device (budget {plan.memory.budget_bytes / GIB:.1f} GiB)")
+    for col in ("pp rank", "recompute", "params", "grads", "optimizer", "activations", "workspace", "total"):
+        mt.add_column(col)
+    for m in plan.memory.ranks:
+        mt.add_row(str(m.pp_rank), m.recompute, *(f"{x / GIB:.2f} GiB" for x in (
+            m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.activation_bytes, m.workspace_bytes,
+            m.total_bytes)))
+    console.print(mt)
+
+
+def render_search(console: Console, result: SearchResult, top: int) -> None:
+    """The best ``top`` layouts and the rejection counts."""
+    t = Table(title=f"best {min(top, len(result.ranked))} of {result.num_evaluated} simulated "
+                    f"({result.num_enumerated} enumerated)")
+    for col in ("#", "layout", "step", "tokens/s", "MFU", "bubble", "peak mem"):
+        t.add_column(col)
+    for i, ev in enumerate(result.ranked[:top]):
+        p = ev.state.prediction
+        t.add_row(str(i + 1), ev.state.layout.short(), f"{p.step_time_s:.3f} s", f"{p.tokens_per_s:,.0f}",
+                  f"{p.mfu:.1%}", f"{p.bubble:.2%}", f"{max(p.peak_memory_bytes) / GIB:.1f} GiB")
+    console.print(t)
+    if result.rejected:
+        console.print("rejected: " + "; ".join(f"{n} × {r}" for r, n in result.rejected.most_common()))

@@ -1,0 +1,78 @@
+"""Pass ``plan-memory`` v1: per PP rank, the cheapest recompute mode that fits the device memory.
+
+Modes, cheapest first: ``none`` (keep every saved tensor), ``selective`` (recompute norms, activation functions and
+core attention — MindSpeed ``--recompute-norm`` / ``--recompute-activation-function``, Megatron-LM selective
+recompute, arXiv 2205.05198 §5), ``full`` (keep only each layer's input; Chen et al. arXiv 1604.06174). A rank's
+memory is its model states (cost_models/memory.py, distributed optimizer) plus the peak of live activations
+walked over the rank's own schedule order plus the largest op workspace. The per-operator keep/recompute/swap ILP
+replaces this pass later (DESIGN §4).
+
+Raises InfeasibleError, naming the per-device memory needed, when even full recompute does not fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from moeplan.cost_models.memory import model_state_bytes, peak_live_bytes
+from moeplan.errors import InfeasibleError
+from moeplan.ir import kind_of
+from moeplan.passes.schedule import build_actions
+from moeplan.state import LayerCost, MemoryPlan, PlanState, Recompute, StageMemory
+
+MODES: tuple[Recompute, ...] = ("none", "selective", "full")
+GIB = 1024**3
+
+
+def saved_bytes(cost: LayerCost, mode: Recompute) -> int:
+    """Activation bytes one micro-batch keeps on one device for this layer under ``mode``."""
+    return {"none": cost.saved_bytes, "selective": cost.saved_selective_bytes, "full": cost.saved_full_bytes}[mode]
+
+
+@dataclass(frozen=True)
+class PlanMemoryPass:
+    """Pick, per PP rank, the cheapest of no / selective / full recompute whose memory fits the budget."""
+
+    name: ClassVar[str] = "plan-memory"
+    requires: ClassVar[tuple[str, ...]] = ("sharding", "stages")
+    provides: ClassVar[tuple[str, ...]] = ("memory",)
+    budget_fraction: float = 1.0
+    """Fraction of the target's usable device memory the plan may use."""
+
+    def run(self, state: PlanState) -> PlanState:
+        assert state.sharding is not None and state.stages is not None
+        budget = state.target.usable_memory_bytes * self.budget_fraction
+        lay = state.layout
+        actions = build_actions(pp=lay.pp, vpp=lay.vpp, num_microbatches=lay.num_microbatches)
+        stages = []
+        for r in range(lay.pp):
+            options = [rank_memory(state, r, mode, actions[r]) for mode in MODES]
+            fitting = [m for m in options if m.total_bytes <= budget]
+            if not fitting:
+                need = options[-1].total_bytes
+                raise InfeasibleError(
+                    f"memory: pp rank {r} needs {need / GIB:.1f} GiB per device even with full recompute "
+                    f"({lay.short()}); {state.target.name} allows {budget / GIB:.1f} GiB")
+            stages.append(fitting[0])
+        return state.with_(memory=MemoryPlan(stages=tuple(stages), budget_bytes=budget))
+
+
+def rank_memory(state: PlanState, rank: int, mode: Recompute, actions: tuple[str, ...]) -> StageMemory:
+    """Memory of one device of PP rank ``rank`` under ``mode`` (bytes)."""
+    assert state.sharding is not None and state.stages is not None
+    lay, spec, costs = state.layout, state.graph.spec, state.sharding.layer_costs
+    dense = expert = 0.0
+    workspace = 0
+    stage_bytes = {}
+    for c, names in enumerate(state.stages.chunks[rank]):
+        layer_costs = [costs[kind_of(spec, n)] for n in names]
+        dense += sum(lc.params - lc.expert_params for lc in layer_costs)
+        expert += sum(lc.expert_params for lc in layer_costs)
+        workspace = max([workspace, *(lc.workspace_bytes for lc in layer_costs)])
+        stage_bytes[c * lay.pp + rank] = sum(saved_bytes(lc, mode) for lc in layer_costs)
+    ms = model_state_bytes(dense_params=dense, expert_params=expert, dense_dp=lay.dp * lay.cp,
+                           expert_dp=lay.expert_dp)
+    act, in_flight = peak_live_bytes(actions, stage_bytes)
+    return StageMemory(pp_rank=rank, recompute=mode, params_bytes=ms.params_bytes, grads_bytes=ms.grads_bytes,
+                       optimizer_bytes=ms.optimizer_bytes, activation_bytes=act, workspace_bytes=workspace,
+                       in_flight_microbatches=in_flight)

@@ -1,0 +1,192 @@
+"""Pass ``shard``: TP (+SP), EP (expert-TP or TP-extend-EP), CP and DP, and the collectives each implies.
+
+Per layer kind it scales the traced per-sequence op costs to one micro-batch on one device and prices them on the
+target (compute model), then adds the in-layer collectives (comm model):
+
+- **TP with SP** (Korthikanti et al. arXiv 2205.05198 §4.2.2): per attention or MLP block an all-gather of the
+  sequence-split activation before and a reduce-scatter after in forward, the mirror pair in backward; without SP
+  (tp > 1 only when sp is off, which moeplan never chooses) it would be one all-reduce each way.
+- **EP** (Megatron-LM ``MoEAlltoAllTokenDispatcher``; MindSpeed ``--moe-tp-extend-ep``, FACTS §3): dispatch and
+  combine all-to-alls over the ``ep·tp/etp`` expert shards, each moving the device's routed copies
+  (tokens · top_k · hidden · 2 bytes), in forward and again in backward; with expert-TP (etp > 1) the routed tokens
+  are also all-gathered / reduce-scattered over the etp group.
+- **CP** (Megatron-LM context parallel, all-gather variant): K and V of the local heads are all-gathered over cp in
+  forward and their gradients reduce-scattered in backward.
+- **PP**: one micro-batch's hidden states, split over SP and CP, cross each stage boundary.
+
+Work scaling per ShardHint (moeplan/ir.py): every op scales by micro_batch / cp; TP and EXPERT ops also by 1/tp
+(balanced routing spreads expert work evenly over the tp·cp ranks of a DP replica); SP ops by 1/tp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from moeplan.cost_models.comm import all_to_all_time_s, collective_time_s, group_tier
+from moeplan.cost_models.compute import annotation_time_s
+from moeplan.ir import LayerGraph, LayerKind, OpAnnotation, OpKind, ShardHint
+from moeplan.layout import Layout
+from moeplan.spec import ModelSpec
+from moeplan.state import CommOp, LayerCost, PlanState, Sharding
+from moeplan.targets import Target
+
+ACT_BYTES = 2  # bf16 activations
+#: ops recomputed under "selective" recompute: cheap to redo, expensive to keep (MindSpeed --recompute-norm,
+#: --recompute-activation-function; Megatron-LM selective core-attention recompute, arXiv 2205.05198 §5)
+SELECTIVE_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.NORM, OpKind.ATTENTION})
+
+
+def op_scale(op: OpAnnotation, layout: Layout) -> float:
+    """Factor from the traced per-sequence cost of ``op`` to one micro-batch on one device."""
+    scale = layout.micro_batch / layout.cp
+    if op.shard in (ShardHint.TP, ShardHint.EXPERT) or (op.shard == ShardHint.SP and layout.sequence_parallel):
+        scale /= layout.tp
+    return scale
+
+
+@dataclass(frozen=True)
+class ShardPass:
+    """Price every layer kind under the layout: compute times, collectives, params and saved bytes per device."""
+
+    name: ClassVar[str] = "shard"
+    requires: ClassVar[tuple[str, ...]] = ()
+    provides: ClassVar[tuple[str, ...]] = ("sharding",)
+
+    def run(self, state: PlanState) -> PlanState:
+        g, lay, tgt = state.graph, state.layout, state.target
+        costs = {kind: layer_cost(lg, spec=g.spec, layout=lay, target=tgt) for kind, lg in g.layers.items()}
+        return state.with_(sharding=Sharding(layer_costs=costs, p2p=p2p_op(g.spec, lay, tgt)))
+
+
+def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Target) -> LayerCost:
+    """LayerCost of one layer of ``lg.kind`` for one micro-batch on one device (see the module docstring)."""
+    fwd = dx = dw = sel_s = 0.0
+    flops = fwd_flops = sel_flops = 0.0
+    workspace = 0
+    for op in lg.ops:
+        s = op_scale(op, layout)
+        f, i, w = annotation_time_s(op, scale=s, target=target)
+        fwd, dx, dw = fwd + f, dx + i, dw + w
+        flops += s * (op.fwd_flops + op.bwd_input_flops + op.bwd_weight_flops)
+        fwd_flops += s * op.fwd_flops
+        workspace = max(workspace, int(2 * op.output_bytes * s))
+        if op.op_kind in SELECTIVE_KINDS:
+            sel_s += f
+            sel_flops += s * op.fwd_flops
+    saved, saved_sel = _saved_bytes(lg, layout)
+    dense = lg.param_count - lg.expert_param_count + lg.shared_param_count
+    return LayerCost(
+        kind=lg.kind, fwd_s=fwd, bwd_input_s=dx, bwd_weight_s=dw,
+        comm=_layer_comm(lg.kind, spec=spec, layout=layout, target=target),
+        params=int(dense / layout.tp + lg.expert_param_count / (layout.ep * layout.tp)),
+        expert_params=int(lg.expert_param_count / (layout.ep * layout.tp)),
+        saved_bytes=saved, saved_selective_bytes=saved_sel,
+        saved_full_bytes=int(lg.input_bytes * layout.micro_batch / (layout.cp * _sp(layout))) if lg.ops else 0,
+        recompute_selective_s=sel_s, recompute_full_s=fwd, executed_flops=flops,
+        recompute_selective_flops=sel_flops, recompute_full_flops=fwd_flops, workspace_bytes=workspace)
+
+
+def _sp(layout: Layout) -> int:
+    return layout.tp if layout.sequence_parallel else 1
+
+
+def _saved_bytes(lg: LayerGraph, layout: Layout) -> tuple[int, int]:
+    """(no recompute, selective) saved bytes per micro-batch; each producer's output counted once.
+
+    Under selective recompute the ops in SELECTIVE_KINDS drop what they save internally and their outputs are not
+    kept; the inputs they need to be recomputed stay (those are outputs of kept ops or the layer input).
+    """
+    by_name = {o.name: o for o in lg.ops}
+    input_scale = layout.micro_batch / (layout.cp * _sp(layout))
+    internal = sel_internal = 0.0
+    kept: set[str] = set()
+    kept_sel: set[str] = set()
+    for op in lg.ops:
+        s = op_scale(op, layout)
+        recomputed = op.op_kind in SELECTIVE_KINDS
+        internal += op.saved_bytes * s
+        sel_internal += 0.0 if recomputed else op.saved_bytes * s
+        kept.update(op.saved_inputs)
+        kept_sel.update(n for n in op.saved_inputs if n not in by_name or by_name[n].op_kind not in SELECTIVE_KINDS)
+
+    def outputs(names: set[str]) -> float:
+        return sum(by_name[n].output_bytes * op_scale(by_name[n], layout) if n in by_name
+                   else lg.input_bytes * input_scale for n in names)
+
+    return int(internal + outputs(kept)), int(sel_internal + outputs(kept_sel))
+
+
+def _act_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """Bytes of one micro-batch's hidden states on one device after SP and CP splits: b·s·h·2/(cp·sp)."""
+    return layout.micro_batch * layout.seq_len * spec.hidden_size * ACT_BYTES // (layout.cp * _sp(layout))
+
+
+def _tp_pair(nbytes: int, layout: Layout, target: Target) -> tuple[CommOp, ...]:
+    """One SP block: all-gather + reduce-scatter in forward and the mirror pair in backward (TP group, stride 1)."""
+    if layout.tp == 1:
+        return ()
+    tier = group_tier(stride=1, group_size=layout.tp, devices_per_node=target.devices_per_node)
+    ag = collective_time_s(kind="all_gather", bytes=nbytes, group_size=layout.tp, tier=tier, target=target)
+    rs = collective_time_s(kind="reduce_scatter", bytes=nbytes * layout.tp, group_size=layout.tp, tier=tier,
+                           target=target)
+    return tuple(CommOp("tp", k, ph, b, layout.tp, tier, t) for ph in ("fwd", "bwd")
+                 for k, b, t in (("all_gather", nbytes, ag), ("reduce_scatter", nbytes * layout.tp, rs)))
+
+
+def _ep_ops(spec: ModelSpec, layout: Layout, target: Target) -> tuple[CommOp, ...]:
+    """Dispatch + combine all-to-alls (fwd and bwd) and, with expert-TP, the etp all-gather / reduce-scatter."""
+    n = layout.expert_shards
+    routed = _act_bytes(spec, layout) * spec.top_k
+    ops: list[CommOp] = []
+    if n > 1:
+        stride = 1 if layout.tp_extend_ep else layout.tp
+        t = all_to_all_time_s(bytes=routed, group_size=n, stride=stride, target=target)
+        span_tier = group_tier(stride=stride, group_size=n, devices_per_node=target.devices_per_node)
+        ops += [CommOp("ep", "all_to_all", ph, routed, n, span_tier, t) for ph in ("fwd", "bwd") for _ in range(2)]
+    if layout.etp > 1:
+        tier = group_tier(stride=1, group_size=layout.etp, devices_per_node=target.devices_per_node)
+        ag = collective_time_s(kind="all_gather", bytes=routed, group_size=layout.etp, tier=tier, target=target)
+        rs = collective_time_s(kind="reduce_scatter", bytes=routed * layout.etp, group_size=layout.etp, tier=tier,
+                               target=target)
+        ops += [CommOp("ep", k, ph, b, layout.etp, tier, t) for ph in ("fwd", "bwd")
+                for k, b, t in (("all_gather", routed, ag), ("reduce_scatter", routed * layout.etp, rs))]
+    return tuple(ops)
+
+
+def _cp_ops(spec: ModelSpec, layout: Layout, target: Target) -> tuple[CommOp, ...]:
+    """K/V all-gather over cp in forward, gradient reduce-scatter in backward (stride tp)."""
+    if layout.cp == 1:
+        return ()
+    heads = max(1, (spec.num_heads if spec.attention == "mla" else spec.num_kv_heads) // layout.tp)
+    v_dim = spec.v_head_dim if spec.attention == "mla" else spec.head_dim
+    kv = layout.micro_batch * layout.seq_len // layout.cp * heads * (spec.qk_head_dim + v_dim) * ACT_BYTES
+    tier = group_tier(stride=layout.tp, group_size=layout.cp, devices_per_node=target.devices_per_node)
+    ag = collective_time_s(kind="all_gather", bytes=kv, group_size=layout.cp, tier=tier, target=target)
+    rs = collective_time_s(kind="reduce_scatter", bytes=kv * layout.cp, group_size=layout.cp, tier=tier,
+                           target=target)
+    return (CommOp("cp", "all_gather", "fwd", kv, layout.cp, tier, ag),
+            CommOp("cp", "reduce_scatter", "bwd", kv * layout.cp, layout.cp, tier, rs))
+
+
+def _layer_comm(kind: LayerKind, *, spec: ModelSpec, layout: Layout, target: Target) -> tuple[CommOp, ...]:
+    act = _act_bytes(spec, layout)
+    if kind in (LayerKind.EMBEDDING, LayerKind.EMPTY):
+        return ()
+    if kind in (LayerKind.HEAD, LayerKind.MTP_HEAD):
+        return _tp_pair(act, layout, target)[::2]  # gather before the vocab-parallel output layer, fwd and bwd
+    attn = _tp_pair(act, layout, target) + _cp_ops(spec, layout, target)
+    if kind == LayerKind.DENSE:
+        return attn + _tp_pair(act, layout, target)
+    moe = _ep_ops(spec, layout, target)
+    if spec.num_shared_experts or not layout.tp_extend_ep:
+        moe += _tp_pair(act, layout, target)
+    return attn + moe
+
+
+def p2p_op(spec: ModelSpec, layout: Layout, target: Target) -> CommOp:
+    """One micro-batch's activations across a PP boundary (stride tp·cp·dp; inter-node unless it all fits)."""
+    nbytes = _act_bytes(spec, layout)
+    tier = group_tier(stride=layout.tp * layout.cp * layout.dp, group_size=2,
+                      devices_per_node=target.devices_per_node) if layout.pp > 1 else "intra"
+    t = collective_time_s(kind="p2p", bytes=nbytes, group_size=2, tier=tier, target=target) if layout.pp > 1 else 0.0
+    return CommOp("pp", "p2p", "fwd", nbytes, 2, tier, t)

@@ -1,0 +1,118 @@
+"""Hardware targets: schema-validated YAML descriptions of a device and its links (DESIGN §5).
+
+``load_target("ascend-910b")`` reads ``targets/ascend-910b.yaml``. A file may define ``variants`` (e.g. the 376T and
+313T bins of the 910B) selected with ``load_target("ascend-910b", variant="313t")`` or the name
+``"ascend-910b:313t"``; a variant overrides top-level fields. ``devices_per_node`` may be overridden (the ``cpu``
+emulator's node size is settable). Units: FLOP/s, bytes, bytes/s, seconds.
+"""
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from moeplan.errors import TargetError
+
+
+class Link(BaseModel):
+    """One link tier: per-device unidirectional bandwidth (bytes/s) and per-message latency (s) — the α–β model."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    bandwidth_bytes_per_s: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+
+
+class Efficiency(BaseModel):
+    """Achievable fraction of peak: compute (cube/vector), HBM and links. Defaults from Ascend/msmodeling."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    compute: float = Field(default=0.7, gt=0, le=1)
+    memory: float = Field(default=0.6, gt=0, le=1)
+    comm: float = Field(default=0.7, gt=0, le=1)
+
+
+class LaunchCost(BaseModel):
+    """Fixed cost per kernel or collective launch, seconds (Ascend/msmodeling: 5 µs matmul, 2 µs other, 10 µs comm)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    matmul_s: float = Field(default=5e-6, ge=0)
+    other_s: float = Field(default=2e-6, ge=0)
+    collective_s: float = Field(default=10e-6, ge=0)
+
+
+class Target(BaseModel):
+    """A device type and its cluster links."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    backend: Literal["cpu", "cuda", "npu"]
+    devices_per_node: int = Field(gt=0)
+    memory_bytes: float = Field(gt=0)  # device memory (HBM) per device
+    usable_memory_fraction: float = Field(default=0.9, gt=0, le=1)  # the rest: framework, fragmentation
+    hbm_bandwidth_bytes_per_s: float = Field(gt=0)
+    cube_flops: float = Field(gt=0)  # dense bf16 peak of the matrix unit (tensor cores / Ascend cube)
+    vector_flops: float = Field(gt=0)  # peak of the vector unit
+    matmul_alignment: int = Field(default=16, gt=0)  # GEMM dims off a multiple of this lose efficiency
+    host_bandwidth_bytes_per_s: float = Field(gt=0)  # device<->host copies (swap)
+    intra_node: Link
+    inter_node: Link
+    efficiency: Efficiency = Efficiency()
+    launch: LaunchCost = LaunchCost()
+    variant: str | None = None
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes * self.usable_memory_fraction
+
+
+_DIR = resources.files("moeplan.targets")
+
+
+def target_names() -> list[str]:
+    """Names of the shipped targets, sorted."""
+    return sorted(p.name[:-5] for p in _DIR.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_target(name: str, *, variant: str | None = None, devices_per_node: int | None = None) -> Target:
+    """Load a shipped target by name (or a path to a target YAML file).
+
+    Raises TargetError: unknown name or variant, malformed YAML, or a field that breaks the schema.
+    """
+    if ":" in name and variant is None:
+        name, variant = name.split(":", 1)
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        text, label = path.read_text(), str(path)
+    elif name in target_names():
+        text, label = (_DIR / f"{name}.yaml").read_text(), name
+    else:
+        raise TargetError(f"target={name!r}: unknown; choose one of {', '.join(target_names())} or a target .yaml")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise TargetError(f"target={label!r}: malformed YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise TargetError(f"target={label!r}: a target file must hold a mapping")
+    variants = data.pop("variants", {}) or {}
+    default_variant = data.pop("default_variant", None)
+    variant = variant or default_variant
+    if not isinstance(variants, dict) or not all(isinstance(v, dict) for v in variants.values()):
+        raise TargetError(f"variants={variants!r}: must map each variant name to a mapping of fields (target {label})")
+    if variant is not None:
+        if variant not in variants:
+            raise TargetError(f"variant={variant!r}: target {label} has variants {sorted(variants) or 'none'}")
+        data.update(variants[variant])
+        data["variant"] = variant
+    if devices_per_node is not None:
+        data["devices_per_node"] = devices_per_node
+    try:
+        return Target.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "missing":
+            raise TargetError(f"{field}: required field missing (target {label})") from None
+        raise TargetError(f"{field}={err.get('input')!r}: {err['msg']} (target {label})") from None

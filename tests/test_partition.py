@@ -1,0 +1,33 @@
+import itertools
+import random
+
+import pytest
+
+from moeplan.errors import LayoutError
+from moeplan.passes.partition_stages import min_max_partition
+
+
+def brute_force(times, k):
+    n, best = len(times), float("inf")
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(sum(times[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_min_max_partition_is_optimal(seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 10)
+    k = rng.randint(1, n)
+    times = [rng.choice([0.0, rng.uniform(0.1, 3.0)]) for _ in range(n)]
+    runs = min_max_partition(times, k)
+    assert len(runs) == k and all(r >= 1 for r in runs) and sum(runs) == n
+    starts = [sum(runs[:i]) for i in range(k)]
+    got = max(sum(times[s:s + r]) for s, r in zip(starts, runs))
+    assert got == pytest.approx(brute_force(times, k))
+
+
+def test_too_many_chunks():
+    with pytest.raises(LayoutError, match="chunks=5"):
+        min_max_partition([1.0, 1.0], 5)

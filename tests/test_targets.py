@@ -1,0 +1,155 @@
+"""Shipped hardware targets load, validate, and carry a source for every figure (targets/*.yaml)."""
+from __future__ import annotations
+
+import re
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from moeplan.errors import TargetError
+from moeplan.targets import load_target, target_names
+
+SHIPPED = {"ascend-910b", "ascend-910c", "a100", "h100", "h800", "h200", "cpu"}
+_TARGET_DIR = Path(str(resources.files("moeplan.targets")))
+
+
+def _one_line_error(exc: pytest.ExceptionInfo) -> str:
+    msg = str(exc.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+def test_every_shipped_target_loads() -> None:
+    assert SHIPPED <= set(target_names())
+    for name in target_names():
+        t = load_target(name)
+        assert t.name == name
+        assert t.cube_flops > t.vector_flops > 0
+        assert t.intra_node.bandwidth_bytes_per_s >= t.inter_node.bandwidth_bytes_per_s
+        assert 0 < t.usable_memory_bytes < t.memory_bytes
+
+
+def test_accelerators_scale_up_faster_than_scale_out() -> None:
+    for name in SHIPPED - {"cpu"}:
+        t = load_target(name)
+        assert t.intra_node.bandwidth_bytes_per_s > 3 * t.inter_node.bandwidth_bytes_per_s
+        assert t.intra_node.latency_s < t.inter_node.latency_s
+
+
+def test_ascend_910b_figures_and_variants() -> None:
+    default = load_target("ascend-910b")
+    assert default.variant == "376t"
+    assert default.cube_flops == 353.9e12
+    assert default.devices_per_node == 8
+    assert default.memory_bytes == 64 * 2**30
+    assert default.matmul_alignment == 16
+    assert default.inter_node.bandwidth_bytes_per_s == 25e9
+    small = load_target("ascend-910b", variant="313t")
+    assert small.cube_flops == 294.9e12 and small.variant == "313t"
+    assert load_target("ascend-910b:313t") == small
+    # a variant overrides only its own fields
+    assert small.model_copy(update={"cube_flops": 353.9e12, "variant": "376t"}) == default
+
+
+def test_ascend_910c_is_one_scale_up_domain() -> None:
+    t = load_target("ascend-910c")
+    assert t.devices_per_node == 384
+    assert t.cube_flops == 353.9e12
+    assert t.intra_node.bandwidth_bytes_per_s == 196e9
+
+
+def test_nvidia_peaks_follow_facts() -> None:
+    assert load_target("a100").cube_flops == 312e12
+    for name in ("h100", "h800", "h200"):
+        assert abs(load_target(name).cube_flops - 989e12) < 1e12
+    # the H800 is the H100 with NVLink cut from 900 to 400 GB/s (bidirectional), same scale-out per GPU
+    h100, h800 = load_target("h100"), load_target("h800")
+    assert h800.intra_node.bandwidth_bytes_per_s / h100.intra_node.bandwidth_bytes_per_s == pytest.approx(400 / 900)
+    assert load_target("h200").memory_bytes > 1.7 * h100.memory_bytes
+
+
+def test_cpu_devices_per_node_is_settable() -> None:
+    assert load_target("cpu", devices_per_node=4).devices_per_node == 4
+    assert load_target("cpu", devices_per_node=2).cube_flops == load_target("cpu").cube_flops
+    with pytest.raises(TargetError) as exc:
+        load_target("cpu", devices_per_node=0)
+    assert "devices_per_node" in _one_line_error(exc)
+
+
+def test_unknown_name_and_variant() -> None:
+    with pytest.raises(TargetError) as exc:
+        load_target("tpu-v9")
+    msg = _one_line_error(exc)
+    assert "tpu-v9" in msg and "ascend-910b" in msg
+    with pytest.raises(TargetError) as exc:
+        load_target("ascend-910b", variant="999t")
+    msg = _one_line_error(exc)
+    assert "999t" in msg and "313t" in msg
+    with pytest.raises(TargetError):
+        load_target("h100:fast")
+
+
+def test_malformed_yaml(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\nbackend: npu\n")
+    with pytest.raises(TargetError) as exc:
+        load_target(str(bad))
+    assert "malformed YAML" in _one_line_error(exc)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("just a string\n")
+    with pytest.raises(TargetError) as exc:
+        load_target(str(scalar))
+    _one_line_error(exc)
+
+
+def _shipped_copy(tmp_path: Path, name: str, old: str, new: str) -> str:
+    text = (_TARGET_DIR / f"{name}.yaml").read_text()
+    assert old in text
+    path = tmp_path / f"{name}-edited.yaml"
+    path.write_text(text.replace(old, new, 1))
+    return str(path)
+
+
+def test_a_target_file_by_path_and_bad_fields(tmp_path: Path) -> None:
+    same = _shipped_copy(tmp_path, "ascend-910b", "devices_per_node: 8", "devices_per_node: 16")
+    assert load_target(same).devices_per_node == 16
+    negative = _shipped_copy(tmp_path, "ascend-910b", "bandwidth_bytes_per_s: 25.0e+9", "bandwidth_bytes_per_s: -25.0e+9")
+    with pytest.raises(TargetError) as exc:
+        load_target(negative)
+    assert "inter_node.bandwidth_bytes_per_s" in _one_line_error(exc)
+    unknown_field = _shipped_copy(tmp_path, "h100", "backend: cuda", "backend: cuda\nwarp_size: 32")
+    with pytest.raises(TargetError) as exc:
+        load_target(unknown_field)
+    assert "warp_size" in _one_line_error(exc)
+    missing = _shipped_copy(tmp_path, "h100", "name: h100\n", "")
+    with pytest.raises(TargetError) as exc:
+        load_target(missing)
+    assert "name" in _one_line_error(exc)
+    bad_variants = _shipped_copy(tmp_path, "ascend-910b", "    cube_flops: 294.9e+12", "    - 294.9e+12")
+    with pytest.raises(TargetError) as exc:
+        load_target(bad_variants, variant="313t")
+    _one_line_error(exc)
+
+
+_NUMERIC_FIELD = re.compile(r"^(\s*)[A-Za-z_0-9]+:\s*[-+0-9.eE]+\s*(#.*)?$")
+
+
+def _sourced(lines: list[str], i: int) -> bool:
+    """Line i, or the nearest less-indented line above it (its parent key), carries a ``#`` comment."""
+    if "#" in lines[i]:
+        return True
+    indent = len(lines[i]) - len(lines[i].lstrip())
+    for line in reversed(lines[:i]):
+        if line.strip() and not line.lstrip().startswith("#") and len(line) - len(line.lstrip()) < indent:
+            return "#" in line
+    return False
+
+
+def test_every_figure_carries_a_source_comment() -> None:
+    for name in target_names():
+        lines = (_TARGET_DIR / f"{name}.yaml").read_text().splitlines()
+        figures = [i for i, line in enumerate(lines) if _NUMERIC_FIELD.match(line)]
+        assert len(figures) >= 15, name
+        unsourced = [lines[i].strip() for i in figures if not _sourced(lines, i)]
+        assert not unsourced, f"{name}: {unsourced}"
