@@ -184,9 +184,10 @@ def _layer_comm(kind: LayerKind, *, spec: ModelSpec, layout: Layout, target: Tar
 
 
 def p2p_op(spec: ModelSpec, layout: Layout, target: Target) -> CommOp:
-    """One micro-batch's activations across a PP boundary (stride tp·cp·dp; inter-node unless it all fits)."""
+    """One micro-batch's activations across a PP boundary; the pipeline's slowest hop sets the tier (stride
+    tp·cp·dp over pp ranks: intra-node only when the whole pipeline sits in one node)."""
     nbytes = _act_bytes(spec, layout)
-    tier = group_tier(stride=layout.tp * layout.cp * layout.dp, group_size=2,
+    tier = group_tier(stride=layout.tp * layout.cp * layout.dp, group_size=layout.pp,
                       devices_per_node=target.devices_per_node) if layout.pp > 1 else "intra"
     t = collective_time_s(kind="p2p", bytes=nbytes, group_size=2, tier=tier, target=target) if layout.pp > 1 else 0.0
     return CommOp("pp", "p2p", "fwd", nbytes, 2, tier, t)

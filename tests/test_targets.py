@@ -114,7 +114,8 @@ def _shipped_copy(tmp_path: Path, name: str, old: str, new: str) -> str:
 def test_a_target_file_by_path_and_bad_fields(tmp_path: Path) -> None:
     same = _shipped_copy(tmp_path, "ascend-910b", "devices_per_node: 8", "devices_per_node: 16")
     assert load_target(same).devices_per_node == 16
-    negative = _shipped_copy(tmp_path, "ascend-910b", "bandwidth_bytes_per_s: 25.0e+9", "bandwidth_bytes_per_s: -25.0e+9")
+    negative = _shipped_copy(tmp_path, "ascend-910b", "bandwidth_bytes_per_s: 25.0e+9",
+                             "bandwidth_bytes_per_s: -25.0e+9")
     with pytest.raises(TargetError) as exc:
         load_target(negative)
     assert "inter_node.bandwidth_bytes_per_s" in _one_line_error(exc)

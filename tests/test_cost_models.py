@@ -1,0 +1,277 @@
+"""Compute (roofline + alignment) and communication (α–β) cost models against hand-derived numbers."""
+from __future__ import annotations
+
+import pytest
+
+from moeplan.cost_models.comm import (
+    all_to_all_time_s,
+    collective_time_s,
+    group_tier,
+    hierarchical_combine_time_s,
+    hierarchical_dispatch_time_s,
+    local_peer_range,
+)
+from moeplan.cost_models.compute import annotation_time_s, matmul_efficiency, op_time_s
+from moeplan.ir import LayerKind, OpAnnotation, OpKind, ShardHint
+from moeplan.targets import load_target
+
+NPU = load_target("ascend-910b")
+NPU_313 = load_target("ascend-910b:313t")
+H100 = load_target("h100")
+MATMUL_LAUNCH = 5e-6  # msmodeling default, FACTS §2
+OTHER_LAUNCH = 2e-6
+COLL_LAUNCH = 10e-6
+
+
+def test_ascend_910b_peak() -> None:
+    assert NPU.cube_flops == 353.9e12
+
+
+# ---------------------------------------------------------------- compute: alignment
+
+
+def test_alignment_penalty_7680_8192_7681() -> None:
+    assert matmul_efficiency((7680, 7680, 7680), alignment=16) == 1.0
+    assert matmul_efficiency((8192, 8192, 8192), alignment=16) == 1.0
+    # 7681 pads to 481 tiles of 16 = 7696
+    assert matmul_efficiency((7681, 7680, 7680), alignment=16) == pytest.approx(7681 / 7696)
+    assert matmul_efficiency((7681, 7681, 7681), alignment=16) == pytest.approx((7681 / 7696) ** 3)
+    # an 8-aligned unit pads 7681 only to 7688
+    assert matmul_efficiency((7681, 7680, 7680), alignment=8) == pytest.approx(7681 / 7688)
+    assert matmul_efficiency((7680, 7680, 7688), alignment=16) == pytest.approx(7688 / 7696)
+
+
+def test_small_gemm_penalty_and_symmetry() -> None:
+    # dims below one macro tile (8 alignments = 128 on a 16-aligned unit) pay for the whole tile
+    assert matmul_efficiency((16, 8192, 8192), alignment=16) == pytest.approx(16 / 128)
+    assert matmul_efficiency((64, 8192, 8192), alignment=16) == pytest.approx(0.5)
+    assert matmul_efficiency((128, 8192, 8192), alignment=16) == 1.0
+    effs = [matmul_efficiency((m, 4096, 4096), alignment=16) for m in (1, 8, 16, 32, 100, 128, 129)]
+    assert effs[:-2] == sorted(effs[:-2]) and effs[5] == 1.0 and effs[6] < 1.0
+    assert matmul_efficiency((100, 7681, 48), alignment=16) == pytest.approx(
+        matmul_efficiency((48, 100, 7681), alignment=16))
+    assert matmul_efficiency(None, alignment=16) == 1.0
+    with pytest.raises(ValueError):
+        matmul_efficiency((0, 16, 16), alignment=16)
+    with pytest.raises(ValueError):
+        matmul_efficiency((16, 16, 16), alignment=0)
+
+
+# ---------------------------------------------------------------- compute: roofline
+
+
+def test_compute_bound_cube_op_hand_computed() -> None:
+    # flops = peak · efficiency.compute → exactly 1 s, plus the 5 µs matmul launch
+    flops = 353.9e12 * 0.7
+    t = op_time_s(flops=flops, bytes_moved=1e6, unit="cube", mnk=(8192, 8192, 8192), target=NPU)
+    assert t == pytest.approx(1.0 + MATMUL_LAUNCH, rel=1e-12)
+    t313 = op_time_s(flops=flops, bytes_moved=1e6, unit="cube", mnk=(8192, 8192, 8192), target=NPU_313)
+    assert t313 - MATMUL_LAUNCH == pytest.approx(353.9 / 294.9)
+    t2 = op_time_s(flops=2 * flops, bytes_moved=1e6, unit="cube", mnk=(8192, 8192, 8192), target=NPU)
+    assert t2 - MATMUL_LAUNCH == pytest.approx(2.0)
+    misaligned = op_time_s(flops=flops, bytes_moved=1e6, unit="cube", mnk=(7681, 7681, 7681), target=NPU)
+    assert misaligned - MATMUL_LAUNCH == pytest.approx((7696 / 7681) ** 3)
+
+
+def test_memory_bound_vector_op_hand_computed() -> None:
+    hbm = 1.6 * 2**40 * 0.6  # FACTS §2 1.6 TiB/s × msmodeling memory efficiency 0.6
+    t = op_time_s(flops=1e9, bytes_moved=hbm, unit="vector", mnk=None, target=NPU)
+    assert t == pytest.approx(1.0 + OTHER_LAUNCH, rel=1e-12)
+    # the vector unit's peak: 22e12 · 0.7 FLOP/s → 1 s compute-bound when bytes are few
+    t_vec = op_time_s(flops=22e12 * 0.7, bytes_moved=1.0, unit="vector", mnk=(7681, 1, 1), target=NPU)
+    assert t_vec == pytest.approx(1.0 + OTHER_LAUNCH)  # alignment does not apply to the vector unit
+
+
+def test_roofline_is_max_not_sum() -> None:
+    flops, nbytes = 353.9e12 * 0.7, 1.6 * 2**40 * 0.6 * 0.5  # compute 1 s, memory 0.5 s
+    assert op_time_s(flops=flops, bytes_moved=nbytes, unit="cube", mnk=None, target=NPU) == pytest.approx(
+        1.0 + MATMUL_LAUNCH)
+    assert op_time_s(flops=flops / 4, bytes_moved=nbytes, unit="cube", mnk=None, target=NPU) == pytest.approx(
+        0.5 + MATMUL_LAUNCH)
+
+
+def test_zero_op_costs_nothing_and_bad_input_raises() -> None:
+    assert op_time_s(flops=0, bytes_moved=0, unit="vector", mnk=None, target=NPU) == 0.0
+    assert op_time_s(flops=0, bytes_moved=0, unit="cube", mnk=(1, 1, 1), target=NPU) == 0.0
+    with pytest.raises(ValueError):
+        op_time_s(flops=-1, bytes_moved=0, unit="cube", mnk=None, target=NPU)
+    with pytest.raises(ValueError):
+        op_time_s(flops=1, bytes_moved=0, unit="tensor", mnk=None, target=NPU)  # type: ignore[arg-type]
+
+
+def _op(kind: OpKind, *, m: int, n: int, k: int, params: int) -> OpAnnotation:
+    gemm = 2.0 * m * n * k
+    return OpAnnotation(
+        name="proj", op_kind=kind, module_path="layers.0.mlp.proj", layer_kind=LayerKind.DENSE,
+        fwd_flops=gemm, bwd_input_flops=gemm, bwd_weight_flops=gemm if params else 0.0,
+        bytes_read=2 * (m * k + k * n), bytes_written=2 * m * n, output_bytes=2 * m * n, saved_bytes=0,
+        saved_inputs=(), param_count=params, shard=ShardHint.TP,
+        matmul_mnk=(m, n, k) if kind in (OpKind.MATMUL, OpKind.GROUPED_MATMUL) else None,
+    )
+
+
+def test_annotation_time_matmul_scales_and_splits() -> None:
+    op = _op(OpKind.MATMUL, m=4096, n=7680, k=7680, params=7680 * 7680)
+    fwd, dx, dw = annotation_time_s(op, scale=1.0, target=NPU)
+    ideal = 2.0 * 4096 * 7680 * 7680 / (353.9e12 * 0.7)  # compute-bound: intensity ≫ the ridge point
+    assert fwd - MATMUL_LAUNCH == pytest.approx(ideal)
+    assert dx == pytest.approx(fwd) and dw == pytest.approx(fwd)  # same FLOPs and bytes, same padded tiles
+    half = annotation_time_s(op, scale=0.5, target=NPU)
+    assert half[0] - MATMUL_LAUNCH == pytest.approx(ideal / 2)
+    # scale also shrinks M: 256 tokens × 0.25 = 64 < one 128-row tile → half the cube wasted, twice the time
+    small = _op(OpKind.MATMUL, m=256, n=7680, k=7680, params=7680 * 7680)
+    full = annotation_time_s(small, scale=1.0, target=NPU)[0] - MATMUL_LAUNCH
+    quarter = annotation_time_s(small, scale=0.25, target=NPU)[0] - MATMUL_LAUNCH
+    assert quarter == pytest.approx(full * 0.25 / 0.5)
+    with pytest.raises(ValueError):
+        annotation_time_s(op, scale=0.0, target=NPU)
+
+
+def test_annotation_time_backward_rules() -> None:
+    weightless = _op(OpKind.ELEMENTWISE, m=4096, n=7680, k=1, params=0)
+    fwd, dx, dw = annotation_time_s(weightless, scale=1.0, target=NPU)
+    assert fwd > OTHER_LAUNCH and dx > OTHER_LAUNCH and dw == 0.0
+    emb = _op(OpKind.EMBEDDING, m=4096, n=7680, k=1, params=153600 * 7680)
+    fwd, dx, dw = annotation_time_s(emb, scale=1.0, target=NPU)
+    assert dx == 0.0 and dw > 0.0  # token ids have no gradient; the table gets a scatter-add
+    coll = _op(OpKind.COLLECTIVE, m=4096, n=7680, k=1, params=0)
+    assert annotation_time_s(coll, scale=1.0, target=NPU) == (0.0, 0.0, 0.0)
+
+
+# ---------------------------------------------------------------- comm: α–β formulas
+
+
+def test_single_rank_and_empty_payload_cost_nothing() -> None:
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
+        assert collective_time_s(kind=kind, bytes=1e9, group_size=1, tier="inter", target=NPU) == 0.0
+        assert collective_time_s(kind=kind, bytes=0, group_size=8, tier="inter", target=NPU) == 0.0
+    assert all_to_all_time_s(bytes=1e9, group_size=1, stride=8, target=NPU) == 0.0
+
+
+def test_ring_all_reduce_hand_computed() -> None:
+    s = 196e9 * 0.7  # one second of HCCS at msmodeling's comm efficiency
+    # 2·7/8 · 1 s + 14 steps · 0.5 µs + 10 µs launch
+    t = collective_time_s(kind="all_reduce", bytes=s, group_size=8, tier="intra", target=NPU)
+    assert t == pytest.approx(1.75 + 14 * 0.5e-6 + COLL_LAUNCH, rel=1e-12)
+    # RoCE, 4 ranks: 2·3/4 · S / (25e9·0.7) + 6 · 1.5 µs + 10 µs
+    t = collective_time_s(kind="all_reduce", bytes=25e9 * 0.7, group_size=4, tier="inter", target=NPU)
+    assert t == pytest.approx(1.5 + 6 * 1.5e-6 + COLL_LAUNCH, rel=1e-12)
+
+
+def test_reduce_scatter_all_gather_all_to_all_p2p_hand_computed() -> None:
+    b = 25e9 * 0.7
+    assert collective_time_s(kind="reduce_scatter", bytes=b, group_size=5, tier="inter", target=NPU) == \
+        pytest.approx(4 / 5 + 4 * 1.5e-6 + COLL_LAUNCH)
+    assert collective_time_s(kind="all_gather", bytes=b, group_size=5, tier="inter", target=NPU) == \
+        pytest.approx(4.0 + 4 * 1.5e-6 + COLL_LAUNCH)
+    assert collective_time_s(kind="all_to_all", bytes=b, group_size=5, tier="inter", target=NPU) == \
+        pytest.approx(4 / 5 + 4 * 1.5e-6 + COLL_LAUNCH)
+    assert collective_time_s(kind="p2p", bytes=b, group_size=2, tier="inter", target=NPU) == \
+        pytest.approx(1.0 + 1.5e-6 + COLL_LAUNCH)
+
+
+def test_collective_scaling_laws() -> None:
+    def bw_part(kind: str, nbytes: float, n: int, tier: str = "intra") -> float:
+        fixed = collective_time_s(kind=kind, bytes=1e-30, group_size=n, tier=tier, target=H100)
+        return collective_time_s(kind=kind, bytes=nbytes, group_size=n, tier=tier, target=H100) - fixed
+
+    s = 1 << 30
+    assert bw_part("all_reduce", 2 * s, 8) == pytest.approx(2 * bw_part("all_reduce", s, 8))
+    assert bw_part("all_reduce", s, 8) == pytest.approx(2 * bw_part("reduce_scatter", s, 8))
+    # an all-gather of the shard moves what a reduce-scatter of the full tensor moves
+    assert bw_part("all_gather", s / 8, 8) == pytest.approx(bw_part("reduce_scatter", s, 8))
+    # the ring all-reduce's volume tends to 2·S/B as n grows
+    b = 450e9 * 0.7
+    assert bw_part("all_reduce", s, 1024) == pytest.approx(2 * s / b, rel=2e-3)
+    assert bw_part("all_reduce", s, 2) == pytest.approx(s / b)
+    # inter-node is slower than intra-node for every kind
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
+        intra = collective_time_s(kind=kind, bytes=s, group_size=8, tier="intra", target=H100)
+        inter = collective_time_s(kind=kind, bytes=s, group_size=8, tier="inter", target=H100)
+        assert inter > intra
+
+
+def test_bad_collective_arguments() -> None:
+    with pytest.raises(ValueError):
+        collective_time_s(kind="broadcast", bytes=1, group_size=2, tier="intra", target=NPU)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        collective_time_s(kind="p2p", bytes=1, group_size=2, tier="rack", target=NPU)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        collective_time_s(kind="p2p", bytes=-1, group_size=2, tier="intra", target=NPU)
+    with pytest.raises(ValueError):
+        collective_time_s(kind="p2p", bytes=1, group_size=0, tier="intra", target=NPU)
+    with pytest.raises(ValueError):
+        all_to_all_time_s(bytes=1, group_size=4, stride=0, target=NPU)
+
+
+# ---------------------------------------------------------------- comm: tiers
+
+
+def test_group_tier() -> None:
+    assert group_tier(stride=1, group_size=8, devices_per_node=8) == "intra"  # TP8
+    assert group_tier(stride=2, group_size=4, devices_per_node=8) == "intra"  # span 7
+    assert group_tier(stride=8, group_size=2, devices_per_node=8) == "inter"  # span 9
+    assert group_tier(stride=1, group_size=16, devices_per_node=8) == "inter"
+    assert group_tier(stride=4, group_size=96, devices_per_node=384) == "intra"  # a whole CloudMatrix domain
+    # blocks of 4·64 = 256 ranks: the second one, ranks 256–511, straddles the 384-device domain boundary
+    assert group_tier(stride=4, group_size=64, devices_per_node=384) == "inter"
+    assert group_tier(stride=1, group_size=1, devices_per_node=8) == "intra"
+    # span fits but groups of 3 tile 8-device nodes unevenly: {6, 7, 8} straddles two nodes
+    assert group_tier(stride=1, group_size=3, devices_per_node=8) == "inter"
+    with pytest.raises(ValueError):
+        group_tier(stride=0, group_size=2, devices_per_node=8)
+
+
+def test_local_peer_range() -> None:
+    assert local_peer_range(stride=1, group_size=8, devices_per_node=8) == (8, 8)
+    assert local_peer_range(stride=2, group_size=8, devices_per_node=8) == (4, 4)  # {0,2,4,6 | 8,…}
+    assert local_peer_range(stride=8, group_size=4, devices_per_node=8) == (1, 1)
+    assert local_peer_range(stride=16, group_size=4, devices_per_node=8) == (1, 1)
+    assert local_peer_range(stride=1, group_size=3, devices_per_node=8) == (1, 3)  # {6,7 | 8}
+    assert local_peer_range(stride=3, group_size=4, devices_per_node=8) == (1, 3)  # {0,3,6 | 9}, {2,5 | 8,11}
+
+
+def test_all_to_all_tiers_hand_computed() -> None:
+    s = 1e9
+    bi, be = 196e9 * 0.7, 25e9 * 0.7
+    # inside one node: the intra-node all-to-all
+    assert all_to_all_time_s(bytes=s, group_size=8, stride=1, target=NPU) == pytest.approx(
+        7 / 8 * s / bi + 7 * 0.5e-6 + COLL_LAUNCH)
+    # one member per node: all traffic on RoCE
+    assert all_to_all_time_s(bytes=s, group_size=4, stride=8, target=NPU) == pytest.approx(
+        3 / 4 * s / be + 3 * 1.5e-6 + COLL_LAUNCH)
+    # EP32 over 4 nodes of 8: 7/32 of the buffer on HCCS, 24/32 on RoCE, concurrently → the RoCE share
+    t = all_to_all_time_s(bytes=s, group_size=32, stride=1, target=NPU)
+    assert t == pytest.approx(24 / 32 * s / be + 24 * 1.5e-6 + COLL_LAUNCH)
+    assert 7 / 32 * s / bi < t - COLL_LAUNCH  # the intra share is hidden under it
+    # a split group beats treating every peer as remote, and is slower than a one-node group
+    flat_inter = collective_time_s(kind="all_to_all", bytes=s, group_size=32, tier="inter", target=NPU)
+    flat_intra = collective_time_s(kind="all_to_all", bytes=s, group_size=32, tier="intra", target=NPU)
+    assert flat_intra < t < flat_inter
+
+
+def test_hierarchical_dispatch_halves_inter_node_volume() -> None:
+    # EP over 4 nodes, TP 8 inside each, top-8 (FACTS §3: 3 vs 6 token-copies off-node per token)
+    tokens_bytes = 4096 * 7680 * 2
+    bi, be = 196e9 * 0.7, 25e9 * 0.7
+    hier = hierarchical_dispatch_time_s(bytes=tokens_bytes, topk=8, tp=8, ep=4, target=NPU)
+    expected_hier = (3 * tokens_bytes / be + 3 * 1.5e-6 + COLL_LAUNCH          # all-gather over 4 nodes
+                     + 7 / 8 * 8 * tokens_bytes / bi + 7 * 0.5e-6 + COLL_LAUNCH)  # all-to-all-v in the node
+    assert hier == pytest.approx(expected_hier)
+    flat = all_to_all_time_s(bytes=8 * tokens_bytes, group_size=32, stride=1, target=NPU)
+    assert flat == pytest.approx(6 * tokens_bytes / be + 24 * 1.5e-6 + COLL_LAUNCH)
+    assert hier / flat == pytest.approx((3 / be + 7 / bi) / (6 / be), rel=1e-3)
+    # the metadata rides with the all-gather
+    meta = 4096 * 8 * 12
+    with_meta = hierarchical_dispatch_time_s(bytes=tokens_bytes, topk=8, tp=8, ep=4, target=NPU, metadata_bytes=meta)
+    assert with_meta - hier == pytest.approx(3 * meta / be)
+    # the combine is the mirror image: reduce-scatter of ep·T tokens moves what the all-gather of T moved
+    combine = hierarchical_combine_time_s(bytes=tokens_bytes, topk=8, tp=8, ep=4, target=NPU)
+    assert combine == pytest.approx(hier)
+
+
+def test_hierarchical_needs_an_intra_node_tp_group() -> None:
+    with pytest.raises(ValueError, match="tp=1"):
+        hierarchical_dispatch_time_s(bytes=1e6, topk=8, tp=1, ep=4, target=NPU)
+    with pytest.raises(ValueError, match="tp=16"):
+        hierarchical_combine_time_s(bytes=1e6, topk=8, tp=16, ep=4, target=NPU)
