@@ -22,8 +22,13 @@ Model (one PP group; DP replicas and TP/EP peers are symmetric):
 
 Outputs (``Timeline``): step time = max end over all events; per-rank busy (compute) time; bubble per rank
 ``1 − busy / step_time`` and its mean over ranks (the definition of FACTS §4.3's bubble fraction); per-rank peak live
-activation bytes; per-rank exposed comm per class (the in-layer classes as above, plus ``pp``: the part of a
-compute action's wait on its RECV after the producer on the peer finished, i.e. the exposed transfer); events.
+activation bytes; exposed comm per class, per rank and averaged over ranks (the in-layer classes as above, plus
+``pp``: the part of a compute action's wait on its RECV after the producer on the peer finished, i.e. the exposed
+transfer); the events. With uniform stages (F, B per chunk, p2p 0) 1F1B gives step (m + p − 1)(F + B) and bubble
+(p − 1)/(m + p − 1), interleaved ((p − 1)/v)/(m + (p − 1)/v) (FACTS §4.3) — tests/test_timeline.py checks both.
+
+One comm stream per rank carries both directions (DESIGN §5 names one per link tier: PP p2p always uses one tier
+here, so a single stream is the same model until in-layer collectives move off the compute stream).
 
 Errors: PlanError (a ValueError) for malformed actions, a RECV with no SEND (or a SEND with no RECV), a compute
 action whose input never arrives, and deadlocks (no action can progress), naming the rank and the action. The
@@ -242,7 +247,8 @@ def _add_ops(parsed: Sequence[Sequence[_Key]], texts: Sequence[Sequence[str]], o
 
 
 def _link(ops: _Ops, recv_at: Mapping[tuple[str, int, int], int], owner: Mapping[int, int], num_stages: int) -> None:
-    """Fill ``deps`` and ``recv_send`` of every op; raise PlanError on a missing producer, RECV or SEND."""
+    """Fill ``deps`` and ``input_send`` of every op; raise PlanError on a missing producer, RECV or SEND."""
+    _check_pairs(ops, recv_at, owner)
     for op, (kind, stage, mb) in enumerate(ops.action):
         local = _LOCAL_DEP.get(kind)
         deps = [_need(ops, op, local, stage, mb)] if local else []
@@ -260,7 +266,6 @@ def _link(ops: _Ops, recv_at: Mapping[tuple[str, int, int], int], owner: Mapping
                 deps.append(input_send)
         ops.deps.append(tuple(deps))
         ops.input_send.append(input_send)
-    _check_pairs(ops, recv_at, owner)
 
 
 def _need(ops: _Ops, op: int, kinds: Sequence[str], stage: int, mb: int) -> int:
@@ -331,13 +336,20 @@ def _run(ops: _Ops) -> None:
 
 
 def _deadlock(ops: _Ops, ptr: Sequence[int]) -> PlanError:
-    for q, i in zip(ops.queues, ptr):
-        if i < len(q):
-            op = q[i]
-            waits = next(d for d in ops.deps[op] if ops.end[d] < 0.0)
-            return PlanError(f"schedule deadlock: rank {ops.rank[op]} action {ops.label[op]!r} waits on "
-                             f"{ops.label[waits]!r} (rank {ops.rank[waits]}) and no rank can progress")
-    raise AssertionError("deadlock reported with every stream finished")
+    """Name an action on the wait cycle: from a blocked stream head, follow what it waits on (or the head that
+    action is queued behind) until a head repeats."""
+    def head_of(op: int) -> int:
+        qi = 2 * ops.rank[op] + (ops.action[op][0] in SEND_KINDS)
+        return ops.queues[qi][ptr[qi]]
+
+    op = next(q[i] for q, i in zip(ops.queues, ptr) if i < len(q))
+    seen: set[int] = set()
+    while op not in seen:
+        seen.add(op)
+        op = head_of(next(d for d in ops.deps[op] if ops.end[d] < 0.0))
+    waits = next(d for d in ops.deps[op] if ops.end[d] < 0.0)
+    return PlanError(f"schedule deadlock: rank {ops.rank[op]} action {ops.label[op]!r} waits on {ops.label[waits]!r} "
+                     f"(rank {ops.rank[waits]}), which can never run")
 
 
 def _peak_bytes(ops: _Ops, queue: Sequence[int], stage_costs: Sequence[StageCost]) -> float:

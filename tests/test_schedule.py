@@ -1,0 +1,144 @@
+"""Pass ``schedule``: action lists cross-checked against torch.distributed.pipelining's own generators."""
+import pytest
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+from torch.distributed.pipelining.schedules import _Action, _simulate_comms_compute
+
+from moeplan.cost_models.timeline import parse_action
+from moeplan.errors import LayoutError, PlanError
+from moeplan.ir import ModelGraph
+from moeplan.layout import Layout
+from moeplan.passes.schedule import (SchedulePass, build_actions, interleaved_1f1b, max_in_flight, one_f_one_b)
+from moeplan.spec import load_spec
+from moeplan.state import PlanState, StagePlan
+from moeplan.targets import load_target
+
+
+def compute_only(actions):
+    return [[a for a in rank if parse_action(a).kind in ("F", "B")] for rank in actions]
+
+
+def torch_order(name, pp, m, vpp=None):
+    ops = get_schedule_ops(name, pp, m, vpp)
+    return [[str(a) for a in rank if a is not None and str(a)[-1].isdigit()] for rank in ops]
+
+
+def fix_torch_1f1b_last_rank(order, m):
+    """torch 2.13 ``Schedule1F1B._get_pipeline_order`` numbers the last rank's forwards 1..m instead of 0..m-1
+    (``forward_mb`` starts at 0 and is incremented before the first steady F when there is no warm-up); its runtime
+    (``_step_microbatches``) runs F0 first. Undo that off-by-one so the order can be compared."""
+    last = order[-1]
+    forwards = [parse_action(a).microbatch for a in last if parse_action(a).kind == "F"]
+    if forwards == list(range(1, m + 1)):
+        order[-1] = [_shift(a) for a in last]
+    return order
+
+
+def _shift(text):
+    a = parse_action(text)
+    return f"{a.stage}F{a.microbatch - 1}" if a.kind == "F" else text
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 5), (4, 4), (4, 8), (3, 7), (8, 16)])
+def test_1f1b_compute_order_equals_torch(pp, m):
+    ours = compute_only(one_f_one_b(pp, m))
+    theirs = fix_torch_1f1b_last_rank(torch_order("1F1B", pp, m), m)
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (4, 3, 8), (3, 2, 6), (4, 2, 12),
+                                      (8, 4, 16), (16, 2, 32)])
+def test_interleaved_compute_order_equals_torch(pp, vpp, m):
+    assert compute_only(interleaved_1f1b(pp, vpp, m)) == torch_order("Interleaved1F1B", pp, m, vpp)
+
+
+def test_interleaved_megatron_warmup_and_chunk_order():
+    """Megatron-LM: rank r warms up with (pp − r − 1)·2 + (vpp − 1)·pp forward chunks, in groups of pp micro-batches."""
+    pp, vpp, m = 4, 2, 8
+    for r, rank in enumerate(compute_only(interleaved_1f1b(pp, vpp, m))):
+        first_b = next(i for i, a in enumerate(rank) if "B" in a)
+        assert first_b == (pp - r - 1) * 2 + (vpp - 1) * pp + 1  # warm-up, then one steady F before the first B
+    rank0 = compute_only(interleaved_1f1b(pp, vpp, m))[0]
+    assert rank0[:8] == ["0F0", "0F1", "0F2", "0F3", "4F0", "4F1", "4F2", "4F3"]
+    assert [a for a in rank0 if "B" in a][:4] == ["4B0", "4B1", "4B2", "4B3"]
+
+
+@pytest.mark.parametrize("actions,num_stages", [(one_f_one_b(4, 6), 4), (interleaved_1f1b(4, 2, 8), 8),
+                                                (interleaved_1f1b(2, 3, 4), 6)])
+def test_comms_progress_in_torch_dry_run(actions, num_stages):
+    pp = len(actions)
+    order = {r: [_Action.from_str(a) for a in rank] for r, rank in enumerate(actions)}
+    done = _simulate_comms_compute(order, lambda s: s % pp, num_stages)  # raises ValueError on a deadlock
+    assert sum(a is not None for rank in done.values() for a in rank) == sum(len(r) for r in actions)
+
+
+def test_comm_placement():
+    actions = one_f_one_b(3, 3)
+    assert actions[0][:4] == ("0F0", "0SEND_F0", "0F1", "0SEND_F1")
+    assert actions[2][:4] == ("2RECV_F0", "2F0", "2B0", "2SEND_B0")
+    assert actions[1][actions[1].index("1B0") - 1] == "1RECV_B0"
+    assert one_f_one_b(1, 3) == (("0F0", "0B0", "0F1", "0B1", "0F2", "0B2"),)
+    inter = interleaved_1f1b(2, 2, 2)
+    assert "1SEND_F0" in inter[1] and "2RECV_F0" in inter[0]  # the last rank's chunk 0 feeds rank 0's chunk 1
+
+
+@pytest.mark.parametrize("pp,m", [(4, 8), (4, 2), (8, 3), (16, 64), (1, 4)])
+def test_1f1b_in_flight(pp, m):
+    assert max_in_flight(one_f_one_b(pp, m), pp=pp) == tuple(min(pp - r, m) for r in range(pp))
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(4, 2, 8), (4, 2, 4), (16, 2, 64), (8, 4, 16), (4, 3, 12)])
+def test_interleaved_in_flight_matches_megatron_warmup(pp, vpp, m):
+    got = max_in_flight(interleaved_1f1b(pp, vpp, m), pp=pp)
+    assert got == tuple(min((pp - r - 1) * 2 + (vpp - 1) * pp + 1, m * vpp) for r in range(pp))
+
+
+@pytest.mark.parametrize("pp,vpp", [(4, 2), (16, 2), (8, 4)])
+def test_interleaved_first_stage_memory_factor(pp, vpp):
+    """FACTS §4.2: interleaving multiplies first-stage activation memory by 1 + (p−1)/(p·v) (one chunk = 1/v)."""
+    m = 4 * pp
+    ratio = (max_in_flight(interleaved_1f1b(pp, vpp, m), pp=pp)[0] / vpp) / max_in_flight(one_f_one_b(pp, m), pp=pp)[0]
+    assert ratio == pytest.approx(1 + (pp - 1) / (pp * vpp))
+
+
+def test_in_flight_with_split_backward():
+    """Activations are freed at W, not at I (the timeline does the same)."""
+    assert max_in_flight([["0F0", "0F1", "0I0", "0F2", "0W0", "0I1", "0W1", "0I2", "0W2"]], pp=1) == (3,)
+    assert max_in_flight([["0F0", "0F1", "0I0", "0W0", "0F2", "0I1", "0W1", "0I2", "0W2"]], pp=1) == (2,)
+
+
+def test_errors():
+    with pytest.raises(LayoutError, match="num_microbatches=6"):
+        interleaved_1f1b(4, 2, 6)
+    with pytest.raises(LayoutError, match="vpp=1"):
+        interleaved_1f1b(4, 1, 8)
+    with pytest.raises(LayoutError, match="pp=0"):
+        one_f_one_b(0, 8)
+    with pytest.raises(PlanError, match="pp=3"):
+        max_in_flight(one_f_one_b(2, 2), pp=3)
+    assert build_actions(pp=4, vpp=2, num_microbatches=8) == interleaved_1f1b(4, 2, 8)
+    assert build_actions(pp=4, vpp=1, num_microbatches=8) == one_f_one_b(4, 8)
+
+
+def make_state(pp, vpp, num_microbatches):
+    spec = load_spec("tiny-pangu")
+    layout = Layout(tp=1, pp=pp, vpp=vpp, ep=1, etp=1, cp=1, dp=1, micro_batch=1, global_batch=num_microbatches,
+                    seq_len=64)
+    chunks = tuple(tuple((f"layers.{c * pp + r}",) for c in range(vpp)) for r in range(pp))
+    stages = StagePlan(chunks=chunks, chunk_time_s=tuple((1.0,) * vpp for _ in range(pp)), imbalance=0.0,
+                       empty_layers=(), reason="test")
+    graph = ModelGraph(spec=spec, seq_len=64, layers={}, layer_sequence=())  # the pass reads only layout and stages
+    return PlanState(graph=graph, target=load_target("cpu"), layout=layout, stages=stages)
+
+
+def test_pass_auto_kind():
+    out = SchedulePass().run(make_state(2, 2, 4))
+    assert out.schedule.kind == "interleaved-1f1b" and out.schedule.actions == interleaved_1f1b(2, 2, 4)
+    out = SchedulePass().run(make_state(2, 1, 3))
+    assert out.schedule.kind == "1f1b" and out.schedule.actions == one_f_one_b(2, 3)
+    with pytest.raises(LayoutError, match="vpp=2"):
+        SchedulePass(kind="1f1b").run(make_state(2, 2, 4))
+    with pytest.raises(LayoutError, match="num_microbatches=3"):
+        SchedulePass(kind="interleaved-1f1b").run(make_state(2, 2, 3))
+    state = make_state(2, 2, 4)
+    with pytest.raises(PlanError, match="stages"):
+        SchedulePass().run(state.with_(stages=None))
