@@ -24,6 +24,9 @@ from moeplan.targets import Target
 SCHEMA_VERSION = 1
 MFU_DEFINITION = ("MFU = model FLOPs/s ÷ (devices × peak bf16 FLOP/s); model FLOPs per token by Megatron-LM's causal "
                   "count without MTP (FACTS §4.1)")
+# libyaml's C implementations of the *safe* dumper and loader when present (same rules, ~10x faster)
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _ACTION = re.compile(r"^(\d+)(F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)$")
 
 
@@ -168,11 +171,14 @@ def plan_json_schema() -> dict:
 def save_plan(plan: Plan, path: str | Path) -> None:
     """Write ``plan`` as YAML atomically: a temp file in the same folder, then rename."""
     path = Path(path)
-    text = yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False, width=120)
+    text = yaml.dump(plan.model_dump(mode="json"), Dumper=_DUMPER, sort_keys=False, width=120)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or Path("."))
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a plan is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -183,7 +189,7 @@ def load_plan(path: str | Path) -> Plan:
     """Read, validate and check a plan file. Raises PlanError with one line naming the problem."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_LOADER)
     except OSError as e:
         raise PlanError(f"plan={str(path)!r}: cannot read ({e.strerror})") from None
     except yaml.YAMLError as e:

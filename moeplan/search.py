@@ -21,11 +21,11 @@ from multiprocessing import get_context
 from moeplan.compiler import parse_pipeline, run_pipeline
 from moeplan.cost_models.memory import model_state_bytes
 from moeplan.errors import InfeasibleError, LayoutError
-from moeplan.ir import LayerKind, ModelGraph, named_layers
+from moeplan.ir import ModelGraph, named_layers
 from moeplan.layout import Layout, check_layout
 from moeplan.passes.partition_stages import piece_time_s
 from moeplan.passes.shard import layer_cost
-from moeplan.state import LayerCost, PlanState
+from moeplan.state import PlanState
 from moeplan.targets import Target
 
 
@@ -90,12 +90,11 @@ def enumerate_layouts(*, graph: ModelGraph, num_devices: int, devices_per_node: 
     return out
 
 
-def check(layout: Layout, *, graph: ModelGraph, num_devices: int, devices_per_node: int) -> None:
+def check(layout: Layout, *, graph: ModelGraph, num_devices: int, devices_per_node: int, num_slots: int) -> None:
     """check_layout with the model's numbers; raises LayoutError."""
     spec = graph.spec
     check_layout(layout, num_devices=num_devices, devices_per_node=devices_per_node, num_heads=spec.num_heads,
-                 num_kv_heads=spec.num_kv_heads, num_experts=spec.num_experts,
-                 num_layer_slots=len(named_layers(spec)))
+                 num_kv_heads=spec.num_kv_heads, num_experts=spec.num_experts, num_layer_slots=num_slots)
 
 
 def rejection_reason(err: Exception) -> str:
@@ -105,30 +104,28 @@ def rejection_reason(err: Exception) -> str:
     return re.sub(r"\s+", " ", re.sub(r"\d+", "N", text)).strip()
 
 
-def _costs(graph: ModelGraph, layout: Layout, target: Target, cache: dict) -> dict[LayerKind, LayerCost]:
+def _time_per_microbatch_s(graph: ModelGraph, layout: Layout, target: Target, counts: Counter, cache: dict) -> float:
+    """Whole-model layer time for one micro-batch (cached per tp, cp, ep, etp, micro_batch)."""
     key = (layout.tp, layout.cp, layout.ep, layout.etp, layout.micro_batch)
     if key not in cache:
-        cache[key] = {k: layer_cost(lg, spec=graph.spec, layout=layout, target=target)
-                      for k, lg in graph.layers.items()}
+        cache[key] = sum(n * piece_time_s(layer_cost(graph.layer(k), spec=graph.spec, layout=layout, target=target))
+                         for k, n in counts.items())
     return cache[key]
 
 
-def estimate(layout: Layout, costs: dict[LayerKind, LayerCost], graph: ModelGraph, target: Target) -> tuple[float,
-                                                                                                          float]:
-    """(estimated step seconds, model-state bytes of an average stage) in closed form.
+def static_bytes(layout: Layout, graph: ModelGraph, counts: Counter) -> float:
+    """Model-state bytes per device of an average stage: a lower bound for the fullest stage (no activations)."""
+    dense = sum(n * (graph.layer(k).param_count - graph.layer(k).expert_param_count + graph.layer(k).shared_param_count)
+                for k, n in counts.items()) / layout.tp
+    expert = sum(n * graph.layer(k).expert_param_count for k, n in counts.items()) / (layout.ep * layout.tp)
+    return model_state_bytes(dense_params=dense / layout.pp, expert_params=expert / layout.pp,
+                             dense_dp=layout.dp * layout.cp, expert_dp=layout.expert_dp).total_bytes
 
-    Balanced stages: per-rank time per micro-batch is the total layer time / pp; the pipeline runs
-    (m + (pp − 1)/vpp) such slots (interleaved 1F1B bubble, FACTS §4.3).
-    """
-    kinds = [k for _, k in named_layers(graph.spec)]
-    total = sum(piece_time_s(costs[k]) for k in kinds)
-    per_rank = total / layout.pp
-    step = per_rank * (layout.num_microbatches + (layout.pp - 1) / layout.vpp)
-    dense = sum(costs[k].params - costs[k].expert_params for k in kinds) / layout.pp
-    expert = sum(costs[k].expert_params for k in kinds) / layout.pp
-    ms = model_state_bytes(dense_params=dense, expert_params=expert, dense_dp=layout.dp * layout.cp,
-                           expert_dp=layout.expert_dp)
-    return step, ms.total_bytes
+
+def estimate_step_s(layout: Layout, time_per_microbatch_s: float) -> float:
+    """Closed-form step estimate: balanced stages, per-rank time per micro-batch = total / pp, and
+    (m + (pp − 1)/vpp) such slots (interleaved 1F1B bubble, FACTS §4.3)."""
+    return time_per_microbatch_s / layout.pp * (layout.num_microbatches + (layout.pp - 1) / layout.vpp)
 
 
 def _evaluate(args: tuple[ModelGraph, Target, Layout, str]) -> Evaluated | str:
@@ -149,20 +146,23 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
     rejected: Counter = Counter()
     survivors: list[tuple[float, Layout]] = []
     cache: dict = {}
+    counts = Counter(k for _, k in named_layers(graph.spec))
     first_error: LayoutError | None = None
+    min_static = float("inf")
     layouts = enumerate_layouts(graph=graph, num_devices=num_devices, devices_per_node=dpn, fixed=fixed)
     for lay in layouts:
         try:
-            check(lay, graph=graph, num_devices=num_devices, devices_per_node=dpn)
+            check(lay, graph=graph, num_devices=num_devices, devices_per_node=dpn, num_slots=sum(counts.values()))
         except LayoutError as e:
             first_error = first_error or e
             rejected[rejection_reason(e)] += 1
             continue
-        step, static = estimate(lay, _costs(graph, lay, target, cache), graph, target)
+        static = static_bytes(lay, graph, counts)
         if static > target.usable_memory_bytes:
+            min_static = min(min_static, static)
             rejected["memory: model states exceed device memory"] += 1
             continue
-        survivors.append((step, lay))
+        survivors.append((estimate_step_s(lay, _time_per_microbatch_s(graph, lay, target, counts, cache)), lay))
     if not survivors and first_error is not None and not rejected.get("memory: model states exceed device memory"):
         raise first_error
     survivors.sort(key=lambda x: x[0])
@@ -176,7 +176,7 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
         else:
             ranked.append(r)
     if not ranked:
-        _raise_infeasible(graph, target, survivors, layouts, results)
+        _raise_infeasible(target, min_static, layouts, results)
     ranked.sort(key=lambda e: e.state.prediction.step_time_s)
     return SearchResult(ranked=tuple(ranked), rejected=rejected, num_enumerated=len(layouts),
                         num_evaluated=len(picked))
@@ -192,13 +192,15 @@ def _run_all(graph: ModelGraph, target: Target, layouts: list[Layout], pipeline:
         return list(pool.map(_evaluate, tasks))
 
 
-def _raise_infeasible(graph, target, survivors, layouts, results) -> None:
-    msgs = [r for r in results if isinstance(r, str) and r.startswith("Infeasible")]
-    if msgs:
-        needs = [float(m) for r in msgs for m in re.findall(r"needs ([\d.]+) GiB", r)]
-        raise InfeasibleError(f"memory: no layout fits; the best needs {min(needs):.1f} GiB per device, "
-                              f"{target.name} allows {target.usable_memory_bytes / 1024**3:.1f} GiB")
-    if not survivors:
-        raise InfeasibleError(f"memory: no layout of {len(layouts)} fits; model states alone exceed the "
-                              f"{target.usable_memory_bytes / 1024**3:.1f} GiB per device of {target.name}")
-    raise LayoutError(f"layout: none of {len(layouts)} layouts is valid: {results[0]}")
+def _raise_infeasible(target: Target, min_static: float, layouts: list[Layout], results: list) -> None:
+    """No layout survived: raise InfeasibleError naming the least per-device memory any layout would need."""
+    gib, allowed = 1024**3, target.usable_memory_bytes / 1024**3
+    needs = [float(m) for r in results if isinstance(r, str) for m in re.findall(r"needs ([\d.]+) GiB", r)]
+    if needs:
+        raise InfeasibleError(f"memory: no layout fits; the best of {len(layouts)} needs {min(needs):.1f} GiB "
+                              f"per device, {target.name} allows {allowed:.1f} GiB")
+    if min_static < float("inf"):
+        raise InfeasibleError(f"memory: no layout of {len(layouts)} fits; the best needs at least "
+                              f"{min_static / gib:.1f} GiB per device for model states alone, {target.name} "
+                              f"allows {allowed:.1f} GiB")
+    raise LayoutError(f"layout: none of {len(layouts)} layouts is valid: {results[0] if results else 'none left'}")

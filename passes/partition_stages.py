@@ -11,24 +11,27 @@ greedy feasibility test (fill a chunk until the bound would be exceeded) finds i
 problem, Skiena, *The Algorithm Design Manual* §8.5). Chunks left empty by the greedy fill are split off the
 largest chunks, which never raises the maximum.
 
-Empty layers (MindSpeed ``--noop-layers``, FACTS §3): runtimes that need the same number of decoder layers in
-every chunk get the chunks holding fewer layers (those with the embedding, the MTP pieces or the head) padded with
-zero-cost empty layers — where padding is what lets the heavy non-layer pieces sit on lighter chunks. Padding is
-applied when it costs at most one empty layer per chunk; otherwise the layout stays uneven (Megatron-LM's
-``--pipeline-model-parallel-layout`` expresses it) and the reason says so.
+Empty layers (MindSpeed ``--noop-layers``, FACTS §3): runtimes such as MindSpeed-LLM need the same number of
+decoder layers (dense, MoE, MTP block) in every chunk. The uniform mode gives every chunk ``capacity`` slots and
+solves the same min-max problem with at most ``capacity`` decoder layers per chunk; the chunks that hold the
+embedding, the MTP logits or the head take fewer real layers and the rest of their slots become zero-cost empty
+layers — the padding is what lets the heavy non-layer pieces sit on lighter chunks. ``auto`` keeps the uniform
+split when its slowest chunk is within 1% of the free optimum, else the free split (Megatron-LM's
+``--pipeline-model-parallel-layout`` expresses uneven chunks), and the reason says which.
 """
 from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from moeplan.errors import LayoutError
 from moeplan.ir import LayerKind, named_layers
 from moeplan.state import LayerCost, PlanState, StagePlan
 
-SLOT_KINDS = frozenset({LayerKind.DENSE, LayerKind.MOE, LayerKind.MTP, LayerKind.EMPTY})
+SLOT_KINDS = frozenset({LayerKind.DENSE, LayerKind.MOE, LayerKind.MTP})
+UNIFORM_TOLERANCE = 0.01  # auto mode: accept equal layer counts when the slowest chunk is at most 1% slower
 
 
 def piece_time_s(cost: LayerCost) -> float:
@@ -36,38 +39,49 @@ def piece_time_s(cost: LayerCost) -> float:
     return cost.fwd_s + cost.bwd_input_s + cost.bwd_weight_s + cost.comm_s("fwd") + cost.comm_s("bwd")
 
 
-def min_max_partition(times: list[float], num_chunks: int) -> list[int]:
+def min_max_partition(times: list[float], num_chunks: int, *, slots: list[int] | None = None,
+                      capacity: int | None = None) -> list[int] | None:
     """Split ``times`` into ``num_chunks`` non-empty contiguous runs minimising the largest sum.
 
-    Returns the run lengths. Raises LayoutError if there are fewer items than chunks.
+    With ``slots`` and ``capacity`` a run may hold at most ``capacity`` slots (the greedy feasibility test stays
+    exact: both sums are additive and monotone, so the longest feasible first run never hurts). Returns the run
+    lengths, or None when the capacity makes it impossible. Raises LayoutError if there are fewer items than
+    chunks.
     """
     n = len(times)
     if n < num_chunks:
         raise LayoutError(f"chunks={num_chunks}: more pipeline chunks than the {n} layers to place")
+    slots = slots or [0] * n
+    cap = capacity if capacity is not None else n
+    if max(slots) > cap or sum(slots) > cap * num_chunks:
+        return None
     prefix = [0.0, *accumulate(times)]
     bounds = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
     lo = bisect_left(bounds, max(max(times), prefix[-1] / num_chunks) - 1e-12)
     hi = len(bounds) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(_greedy(times, bounds[mid])) <= num_chunks:
+        if len(_greedy(times, slots, bounds[mid], cap)) <= num_chunks:
             hi = mid
         else:
             lo = mid + 1
-    runs = _greedy(times, bounds[lo])
+    runs = _greedy(times, slots, bounds[lo], cap)
+    if len(runs) > num_chunks:
+        return None
     while len(runs) < num_chunks:  # split the run with the largest sum among those of length > 1
         k = max((i for i, r in enumerate(runs) if r > 1), key=lambda i: sum(times[sum(runs[:i]):sum(runs[:i + 1])]))
         runs[k:k + 1] = [runs[k] - 1, 1]
     return runs
 
 
-def _greedy(times: list[float], bound: float) -> list[int]:
-    runs, acc, count = [], 0.0, 0
-    for t in times:
-        if count and acc + t > bound * (1 + 1e-12):
+def _greedy(times: list[float], slots: list[int], bound: float, capacity: int) -> list[int]:
+    runs, acc, used, count = [], 0.0, 0, 0
+    for t, sl in zip(times, slots):
+        if count and (acc + t > bound * (1 + 1e-12) or used + sl > capacity):
             runs.append(count)
-            acc, count = 0.0, 0
+            acc, used, count = 0.0, 0, 0
         acc += t
+        used += sl
         count += 1
     runs.append(count)
     return runs
@@ -80,8 +94,10 @@ class PartitionStagesPass:
     name: ClassVar[str] = "partition-stages"
     requires: ClassVar[tuple[str, ...]] = ("sharding",)
     provides: ClassVar[tuple[str, ...]] = ("stages",)
-    pad_empty_layers: bool = True
-    """Pad chunks to the same decoder-layer count with empty layers when it costs at most one per chunk."""
+    layer_layout: Literal["auto", "free", "uniform"] = "auto"
+    """``uniform``: every chunk holds the same number of decoder-layer slots (dense, MoE, MTP block), padded with
+    empty layers; ``free``: any contiguous split; ``auto``: uniform when its slowest chunk is within
+    ``UNIFORM_TOLERANCE`` of the free optimum."""
 
     def run(self, state: PlanState) -> PlanState:
         assert state.sharding is not None
@@ -89,50 +105,77 @@ class PartitionStagesPass:
         layers = named_layers(state.graph.spec)
         costs = state.sharding.layer_costs
         times = [piece_time_s(costs[k]) for _, k in layers]
-        runs = min_max_partition(times, pp * vpp)
-        stage_names, stage_times, start = [], [], 0
+        slots = [int(k in SLOT_KINDS) for _, k in layers]
+        free = min_max_partition(times, pp * vpp)
+        assert free is not None
+        runs, capacity = free, None
+        if self.layer_layout != "free":
+            uniform, capacity = _uniform(times, slots, pp * vpp)
+            if uniform is None and self.layer_layout == "uniform":
+                raise LayoutError(f"layer_layout='uniform': {sum(slots)} decoder layers cannot fill {pp * vpp} "
+                                  f"chunks evenly")
+            if uniform is not None and (self.layer_layout == "uniform" or
+                                        _max_run(times, uniform) <= _max_run(times, free) * (1 + UNIFORM_TOLERANCE)):
+                runs = uniform
+            else:
+                capacity = None
+        stage_names, stage_times, empties, start = [], [], [], 0
         for r in runs:
-            stage_names.append([n for n, _ in layers[start:start + r]])
+            names = [n for n, _ in layers[start:start + r]]
+            if capacity is not None:
+                names = _pad(names, capacity - sum(slots[start:start + r]), empties)
+            stage_names.append(names)
             stage_times.append(sum(times[start:start + r]))
             start += r
-        empties = self._pad(stage_names, layers) if self.pad_empty_layers else []
         chunks = tuple(tuple(tuple(stage_names[c * pp + r]) for c in range(vpp)) for r in range(pp))
         chunk_t = tuple(tuple(stage_times[c * pp + r] for c in range(vpp)) for r in range(pp))
         mean = sum(stage_times) / len(stage_times)
         imbalance = max(stage_times) / mean - 1 if mean > 0 else 0.0
-        plan = StagePlan(chunks=chunks, chunk_time_s=chunk_t, imbalance=imbalance, empty_layers=tuple(empties),
-                         reason="")
-        return state.with_(stages=StagePlan(**{**plan.__dict__, "reason": _reason(plan, stage_names, empties)}))
-
-    @staticmethod
-    def _pad(stage_names: list[list[str]], layers) -> list[str]:
-        kinds = dict(layers)
-        slots = [sum(kinds[n] in SLOT_KINDS for n in names) for names in stage_names]
-        need = sum(max(slots) - s for s in slots)
-        if need == 0 or need > len(stage_names):
-            return []
-        empties = []
-        for names, s in zip(stage_names, slots):
-            for _ in range(max(slots) - s):
-                name = f"empty.{len(empties)}"
-                empties.append(name)
-                last_slot = max((i for i, n in enumerate(names) if kinds.get(n) in SLOT_KINDS), default=-1)
-                names.insert(last_slot + 1 if last_slot >= 0 else len(names) - (names[-1] == "head"), name)
-                kinds[name] = LayerKind.EMPTY
-        return empties
+        reason = _reason(stage_names, pp, imbalance, empties, capacity)
+        return state.with_(stages=StagePlan(chunks=chunks, chunk_time_s=chunk_t, imbalance=imbalance,
+                                            empty_layers=tuple(empties), reason=reason))
 
 
-def _reason(plan: StagePlan, stage_names: list[list[str]], empties: list[str]) -> str:
+def _max_run(times: list[float], runs: list[int]) -> float:
+    starts = [sum(runs[:i]) for i in range(len(runs))]
+    return max(sum(times[s:s + r]) for s, r in zip(starts, runs))
+
+
+def _uniform(times: list[float], slots: list[int], num_chunks: int) -> tuple[list[int] | None, int]:
+    """The best partition with ceil(slots / chunks) or one more decoder slots per chunk, and that capacity."""
+    base = -(-sum(slots) // num_chunks)
+    best: tuple[list[int] | None, int] = (None, base)
+    for cap in (base, base + 1):
+        runs = min_max_partition(times, num_chunks, slots=slots, capacity=cap)
+        if runs is not None and (best[0] is None or _max_run(times, runs) < _max_run(times, best[0]) * 0.999):
+            best = (runs, cap)
+    return best
+
+
+def _pad(names: list[str], missing: int, empties: list[str]) -> list[str]:
+    """Insert ``missing`` empty layers after the chunk's last decoder layer (before any head)."""
+    new = []
+    for _ in range(missing):
+        new.append(f"empty.{len(empties)}")
+        empties.append(new[-1])
+    heads = [i for i, n in enumerate(names) if n in ("head",) or n.startswith("mtp_head.")]
+    at = heads[0] if heads else len(names)
+    return names[:at] + new + names[at:]
+
+
+def _reason(stage_names: list[list[str]], pp: int, imbalance: float, empties: list[str],
+            capacity: int | None) -> str:
     def where(prefix: str) -> str:
-        locs = [f"{n} on stage {s} (pp rank {s % plan.pp}, chunk {s // plan.pp})"
-                for s, names in enumerate(stage_names) for n in names if n.startswith(prefix)]
-        return "; ".join(locs)
+        return "; ".join(f"{n} on stage {s} (pp rank {s % pp}, chunk {s // pp})"
+                         for s, names in enumerate(stage_names) for n in names if n.startswith(prefix))
 
     parts = [p for p in (where("mtp."), where("mtp_head.")) if p]
-    if empties:
-        parts.append(f"{len(empties)} empty layer(s) pad chunks to equal decoder-layer counts: {where('empty.')}")
+    if capacity is None:
+        parts.append("no empty layers: uneven decoder-layer counts per chunk (Megatron-LM "
+                     "--pipeline-model-parallel-layout), as equal counts would slow the slowest chunk")
+    elif empties:
+        parts.append(f"{capacity} decoder-layer slots per chunk; {len(empties)} empty layer(s) fill the chunks that "
+                     f"hold the embedding, MTP or head: {where('empty.')}")
     else:
-        slots = {sum(not n.startswith(("embedding", "head", "mtp_head")) for n in names) for names in stage_names}
-        parts.append("no empty layers: chunks already hold equal layer counts" if len(slots) == 1 else
-                     "no empty layers: uneven layer counts (Megatron --pipeline-model-parallel-layout)")
-    return "; ".join(parts) + f"; slowest chunk {plan.imbalance:+.1%} over the mean"
+        parts.append(f"{capacity} decoder-layer slots per chunk; no empty layers needed")
+    return "; ".join(parts) + f"; slowest chunk {imbalance:+.1%} over the mean"

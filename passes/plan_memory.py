@@ -46,14 +46,15 @@ class PlanMemoryPass:
         actions = build_actions(pp=lay.pp, vpp=lay.vpp, num_microbatches=lay.num_microbatches)
         stages = []
         for r in range(lay.pp):
-            options = [rank_memory(state, r, mode, actions[r]) for mode in MODES]
-            fitting = [m for m in options if m.total_bytes <= budget]
-            if not fitting:
-                need = options[-1].total_bytes
+            for mode in MODES:  # cheapest first; stop at the first that fits
+                mem = rank_memory(state, r, mode, actions[r])
+                if mem.total_bytes <= budget:
+                    break
+            else:
                 raise InfeasibleError(
-                    f"memory: pp rank {r} needs {need / GIB:.1f} GiB per device even with full recompute "
-                    f"({lay.short()}); {state.target.name} allows {budget / GIB:.1f} GiB")
-            stages.append(fitting[0])
+                    f"memory: pp rank {r} needs {mem.total_bytes / GIB:.1f} GiB per device even with full "
+                    f"recompute ({lay.short()}); {state.target.name} allows {budget / GIB:.1f} GiB")
+            stages.append(mem)
         return state.with_(memory=MemoryPlan(stages=tuple(stages), budget_bytes=budget))
 
 

@@ -31,3 +31,32 @@ def test_min_max_partition_is_optimal(seed):
 def test_too_many_chunks():
     with pytest.raises(LayoutError, match="chunks=5"):
         min_max_partition([1.0, 1.0], 5)
+
+
+def brute_force_capacity(times, slots, k, cap):
+    n, best = len(times), None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        if any(sum(slots[a:b]) > cap for a, b in zip(bounds, bounds[1:])):
+            continue
+        m = max(sum(times[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = m if best is None else min(best, m)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_capacity_partition_is_optimal(seed):
+    rng = random.Random(100 + seed)
+    n = rng.randint(2, 10)
+    k = rng.randint(1, n)
+    times = [rng.uniform(0.1, 3.0) for _ in range(n)]
+    slots = [rng.choice([0, 1, 1]) for _ in range(n)]
+    cap = rng.randint(1, 3)
+    runs = min_max_partition(times, k, slots=slots, capacity=cap)
+    expect = brute_force_capacity(times, slots, k, cap)
+    if expect is None:
+        assert runs is None
+        return
+    starts = [sum(runs[:i]) for i in range(k)]
+    assert all(sum(slots[s:s + r]) <= cap for s, r in zip(starts, runs))
+    assert max(sum(times[s:s + r]) for s, r in zip(starts, runs)) == pytest.approx(expect)
