@@ -128,9 +128,12 @@ def schema_cmd() -> None:
 
 
 def main() -> None:
-    """Entry point: run the app, mapping moeplan's errors to one line and exit 2 (bad input) or 3 (infeasible)."""
+    """Entry point: run the app, mapping moeplan's errors to one line and exit 2 (bad input) or 3 (infeasible).
+
+    Usage errors (unknown option, missing argument) are typer's own: usage text and exit 2.
+    """
     try:
-        app(standalone_mode=False)
+        app()
     except InfeasibleError as e:
         err.print(f"error: {e}", markup=False)
         sys.exit(3)
@@ -139,19 +142,6 @@ def main() -> None:
             raise
         err.print(f"error: {e}", markup=False)
         sys.exit(2)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            err.print(f"error: {e.format_message()}", markup=False)
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(1)
-        raise
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ def pangu_fixed():
 
 def test_reported_pangu_layout_compiles_balanced(pangu_fixed):
     plan = pangu_fixed.plan
-    assert (plan.layout.dp, plan.layout.num_microbatches, plan.layout.expert_dp) == (48, 64, 12)
+    assert (plan.layout.dp, plan.layout.num_microbatches, plan.sharding.expert_dp) == (48, 64, 12)
+    assert plan.sharding.expert_shards == 32 and plan.experts.shards[0] == list(range(8))
     times = [t for r in plan.stages.chunk_time_s for t in r]
     assert max(times) <= 1.05 * sum(times) / len(times)  # the seeds' 5% tolerance
     assert "mtp.0 on stage" in plan.stages.reason and "mtp_head.0 on stage" in plan.stages.reason
