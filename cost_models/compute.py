@@ -102,13 +102,17 @@ def scaled_mnk(mnk: tuple[int, int, int] | None, *, scale: float) -> tuple[int, 
     return (max(1, math.ceil(m * scale - 1e-9)), n, k)
 
 
-def annotation_time_s(op: OpAnnotation, *, scale: float, target: Target) -> tuple[float, float, float]:
-    """(forward, input-gradient dX, weight-gradient dW) seconds of one IR op on one device, work scaled by ``scale``.
+def annotation_time_s(op: OpAnnotation, *, scale: float, target: Target, weight_scale: float = 1.0,
+                      m_scale: float | None = None) -> tuple[float, float, float]:
+    """(forward, input-gradient dX, weight-gradient dW) seconds of one IR op on one device.
 
-    The IR costs one unsharded sequence (moeplan/ir.py); the ``shard`` pass passes e.g. ``micro_batch / (tp · cp)``
-    as ``scale``, which multiplies FLOPs and bytes. The whole scale is applied to the GEMM's M (token) dim for the
-    alignment factor — under TP the real GEMM splits N (column-parallel) or K (row-parallel) instead; the two differ
-    only in the padding/small-tile factor, a second-order effect accepted here.
+    The IR costs one unsharded sequence (moeplan/ir.py). ``scale`` multiplies the op's FLOPs and its activation
+    bytes (the ``shard`` pass passes e.g. ``micro_batch / (tp · cp)``); ``weight_scale`` multiplies its weight bytes
+    (``2 · param_count``, bf16, part of ``bytes_read``), which follow how the weights are sharded, not the tokens
+    (1/tp for TP ops, 1/(ep·tp) for routed experts, 1 when replicated). ``m_scale`` (default ``scale``) multiplies
+    the GEMM's M (token) dim for the alignment factor: for a grouped expert GEMM it is the growth of tokens per
+    local expert, not of tokens per device. Under TP the real GEMM splits N (column-parallel) or K (row-parallel);
+    applying the split to M instead changes only the padding/small-tile factor, a second-order effect accepted here.
 
     Backward assumptions (stated, not measured):
     - dX costs ``bwd_input_flops`` and moves the forward's bytes (a GEMM's dX reads dY and W and writes dX: the same
@@ -118,15 +122,17 @@ def annotation_time_s(op: OpAnnotation, *, scale: float, target: Target) -> tupl
       (a GEMM's dW reads X and dY and writes dW). The embedding's dW is a scatter-add: bytes, no FLOPs.
     - COLLECTIVE nodes cost 0 here: communication is costed by ``cost_models.comm``.
 
-    Raises ValueError: ``scale`` <= 0.
+    Raises ValueError: ``scale``, ``weight_scale`` or ``m_scale`` <= 0.
     """
-    if scale <= 0:
-        raise ValueError(f"scale={scale!r}: must be > 0")
+    for name, v in (("scale", scale), ("weight_scale", weight_scale), ("m_scale", m_scale)):
+        if v is not None and v <= 0:
+            raise ValueError(f"{name}={v!r}: must be > 0")
     if op.op_kind == OpKind.COLLECTIVE:
         return (0.0, 0.0, 0.0)
     unit: Unit = "cube" if op.unit == "cube" else "vector"
-    mnk = scaled_mnk(op.matmul_mnk, scale=scale)
-    bytes_moved = (op.bytes_read + op.bytes_written) * scale
+    mnk = scaled_mnk(op.matmul_mnk, scale=scale if m_scale is None else m_scale)
+    weight_bytes = min(2 * op.param_count, op.bytes_read)
+    bytes_moved = (op.bytes_read + op.bytes_written - weight_bytes) * scale + weight_bytes * weight_scale
     fwd = op_time_s(flops=op.fwd_flops * scale, bytes_moved=bytes_moved, unit=unit, mnk=mnk, target=target)
     has_dx = op.op_kind != OpKind.EMBEDDING
     dx = op_time_s(flops=op.bwd_input_flops * scale, bytes_moved=bytes_moved, unit=unit, mnk=mnk,

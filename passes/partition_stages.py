@@ -15,9 +15,10 @@ Empty layers (MindSpeed ``--noop-layers``, FACTS §3): runtimes such as MindSpee
 decoder layers (dense, MoE, MTP block) in every chunk. The uniform mode gives every chunk ``capacity`` slots and
 solves the same min-max problem with at most ``capacity`` decoder layers per chunk; the chunks that hold the
 embedding, the MTP logits or the head take fewer real layers and the rest of their slots become zero-cost empty
-layers — the padding is what lets the heavy non-layer pieces sit on lighter chunks. ``auto`` keeps the uniform
-split when its slowest chunk is within 1% of the free optimum, else the free split (Megatron-LM's
-``--pipeline-model-parallel-layout`` expresses uneven chunks), and the reason says which.
+layers — the padding is what lets the heavy non-layer pieces sit on lighter chunks. ``capacity`` is the fewest
+slots that hold every decoder layer, ceil(layers / chunks). ``auto`` keeps the uniform split when its slowest chunk
+is within 1% of the free optimum, else the free split (Megatron-LM's ``--pipeline-model-parallel-layout`` expresses
+uneven chunks), and the reason says which and what equal counts would cost.
 """
 from __future__ import annotations
 
@@ -108,17 +109,19 @@ class PartitionStagesPass:
         slots = [int(k in SLOT_KINDS) for _, k in layers]
         free = min_max_partition(times, pp * vpp)
         assert free is not None
-        runs, capacity = free, None
+        runs, capacity, note = free, None, ""
         if self.layer_layout != "free":
-            uniform, capacity = _uniform(times, slots, pp * vpp)
+            uniform, cap = _uniform(times, slots, pp * vpp)
             if uniform is None and self.layer_layout == "uniform":
-                raise LayoutError(f"layer_layout='uniform': {sum(slots)} decoder layers cannot fill {pp * vpp} "
-                                  f"chunks evenly")
-            if uniform is not None and (self.layer_layout == "uniform" or
-                                        _max_run(times, uniform) <= _max_run(times, free) * (1 + UNIFORM_TOLERANCE)):
-                runs = uniform
-            else:
-                capacity = None
+                raise LayoutError(f"layer_layout='uniform': {sum(slots)} decoder layers cannot be spread "
+                                  f"{cap} per chunk over {pp * vpp} chunks")
+            if uniform is not None:
+                slowdown = _max_run(times, uniform) / _max_run(times, free) - 1
+                if self.layer_layout == "uniform" or slowdown <= UNIFORM_TOLERANCE:
+                    runs, capacity = uniform, cap
+                else:
+                    note = (f"equal counts ({cap} per chunk, {cap * pp * vpp - sum(slots)} empty layers) would "
+                            f"make the slowest chunk {slowdown:+.1%} slower")
         stage_names, stage_times, empties, start = [], [], [], 0
         for r in runs:
             names = [n for n, _ in layers[start:start + r]]
@@ -131,7 +134,7 @@ class PartitionStagesPass:
         chunk_t = tuple(tuple(stage_times[c * pp + r] for c in range(vpp)) for r in range(pp))
         mean = sum(stage_times) / len(stage_times)
         imbalance = max(stage_times) / mean - 1 if mean > 0 else 0.0
-        reason = _reason(stage_names, pp, imbalance, empties, capacity)
+        reason = _reason(stage_names, pp, imbalance, empties, capacity, note)
         return state.with_(stages=StagePlan(chunks=chunks, chunk_time_s=chunk_t, imbalance=imbalance,
                                             empty_layers=tuple(empties), reason=reason))
 
@@ -142,14 +145,11 @@ def _max_run(times: list[float], runs: list[int]) -> float:
 
 
 def _uniform(times: list[float], slots: list[int], num_chunks: int) -> tuple[list[int] | None, int]:
-    """The best partition with ceil(slots / chunks) or one more decoder slots per chunk, and that capacity."""
-    base = -(-sum(slots) // num_chunks)
-    best: tuple[list[int] | None, int] = (None, base)
-    for cap in (base, base + 1):
-        runs = min_max_partition(times, num_chunks, slots=slots, capacity=cap)
-        if runs is not None and (best[0] is None or _max_run(times, runs) < _max_run(times, best[0]) * 0.999):
-            best = (runs, cap)
-    return best
+    """The best partition with the fewest decoder slots per chunk that can hold them all, ceil(slots / chunks)
+    (more slots would be a different split, not padding), and that slot count; None if the capacity is too small
+    for the pieces' order."""
+    cap = -(-sum(slots) // num_chunks)
+    return min_max_partition(times, num_chunks, slots=slots, capacity=cap), cap
 
 
 def _pad(names: list[str], missing: int, empties: list[str]) -> list[str]:
@@ -164,7 +164,7 @@ def _pad(names: list[str], missing: int, empties: list[str]) -> list[str]:
 
 
 def _reason(stage_names: list[list[str]], pp: int, imbalance: float, empties: list[str],
-            capacity: int | None) -> str:
+            capacity: int | None, note: str) -> str:
     def where(prefix: str) -> str:
         return "; ".join(f"{n} on stage {s} (pp rank {s % pp}, chunk {s // pp})"
                          for s, names in enumerate(stage_names) for n in names if n.startswith(prefix))
@@ -172,7 +172,7 @@ def _reason(stage_names: list[list[str]], pp: int, imbalance: float, empties: li
     parts = [p for p in (where("mtp."), where("mtp_head.")) if p]
     if capacity is None:
         parts.append("no empty layers: uneven decoder-layer counts per chunk (Megatron-LM "
-                     "--pipeline-model-parallel-layout), as equal counts would slow the slowest chunk")
+                     "--pipeline-model-parallel-layout)" + (f"; {note}" if note else ""))
     elif empties:
         parts.append(f"{capacity} decoder-layer slots per chunk; {len(empties)} empty layer(s) fill the chunks that "
                      f"hold the embedding, MTP or head: {where('empty.')}")

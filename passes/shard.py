@@ -37,11 +37,30 @@ SELECTIVE_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.NORM, OpKind.ATTENTION})
 
 
 def op_scale(op: OpAnnotation, layout: Layout) -> float:
-    """Factor from the traced per-sequence cost of ``op`` to one micro-batch on one device."""
+    """Factor from the traced per-sequence work (FLOPs, activation bytes) of ``op`` to one micro-batch on one
+    device."""
     scale = layout.micro_batch / layout.cp
     if op.shard in (ShardHint.TP, ShardHint.EXPERT) or (op.shard == ShardHint.SP and layout.sequence_parallel):
         scale /= layout.tp
     return scale
+
+
+def weight_scale(op: OpAnnotation, layout: Layout) -> float:
+    """Share of the op's weights one device holds: 1/tp (TP), 1/(ep·tp) (routed experts: E/expert_shards experts,
+    each split over etp), 1 (replicated or SP)."""
+    if op.shard == ShardHint.TP:
+        return 1 / layout.tp
+    if op.shard == ShardHint.EXPERT:
+        return 1 / (layout.ep * layout.tp)
+    return 1.0
+
+
+def m_scale(op: OpAnnotation, layout: Layout) -> float:
+    """Growth of the GEMM's token dim: for routed experts, tokens per local expert on one device grow by
+    micro_batch · expert_shards / (cp · tp) over the trace's balanced s·top_k/E; otherwise as ``op_scale``."""
+    if op.shard == ShardHint.EXPERT:
+        return layout.micro_batch * layout.expert_shards / (layout.cp * layout.tp)
+    return op_scale(op, layout)
 
 
 @dataclass(frozen=True)
@@ -65,7 +84,8 @@ def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Targe
     workspace = 0
     for op in lg.ops:
         s = op_scale(op, layout)
-        f, i, w = annotation_time_s(op, scale=s, target=target)
+        f, i, w = annotation_time_s(op, scale=s, target=target, weight_scale=weight_scale(op, layout),
+                                    m_scale=m_scale(op, layout))
         fwd, dx, dw = fwd + f, dx + i, dw + w
         flops += s * (op.fwd_flops + op.bwd_input_flops + op.bwd_weight_flops)
         fwd_flops += s * op.fwd_flops

@@ -121,10 +121,28 @@ def test_annotation_time_matmul_scales_and_splits() -> None:
     # scale also shrinks M: 256 tokens × 0.25 = 64 < one 128-row tile → half the cube wasted, twice the time
     small = _op(OpKind.MATMUL, m=256, n=7680, k=7680, params=7680 * 7680)
     full = annotation_time_s(small, scale=1.0, target=NPU)[0] - MATMUL_LAUNCH
-    quarter = annotation_time_s(small, scale=0.25, target=NPU)[0] - MATMUL_LAUNCH
+    # weights sharded alike (e.g. a TP split), so the GEMM stays compute-bound
+    quarter = annotation_time_s(small, scale=0.25, target=NPU, weight_scale=0.25)[0] - MATMUL_LAUNCH
     assert quarter == pytest.approx(full * 0.25 / 0.5)
     with pytest.raises(ValueError):
         annotation_time_s(op, scale=0.0, target=NPU)
+
+
+def test_annotation_time_weight_bytes_follow_weight_sharding() -> None:
+    # a memory-bound op with weights (2 tokens): its time is nearly all weight traffic
+    op = _op(OpKind.ELEMENTWISE, m=2, n=7680, k=7680, params=7680 * 7680)
+    act = 2 * (2 * 7680) * 2
+    hbm = 1.6 * 2**40 * 0.6
+    fwd = annotation_time_s(op, scale=0.5, target=NPU, weight_scale=0.125)[0] - OTHER_LAUNCH
+    assert fwd == pytest.approx((act * 0.5 + 2 * 7680 * 7680 * 0.125) / hbm)
+    assert annotation_time_s(op, scale=0.5, target=NPU)[0] - OTHER_LAUNCH == pytest.approx(
+        (act * 0.5 + 2 * 7680 * 7680) / hbm)
+    # m_scale, not scale, sets the padded tiles: 256 tokens grown 4x fill the tiles again
+    small = _op(OpKind.GROUPED_MATMUL, m=256, n=7680, k=7680, params=7680 * 7680)
+    grown = annotation_time_s(small, scale=0.25, target=NPU, weight_scale=0.01, m_scale=4.0)[0] - MATMUL_LAUNCH
+    assert grown == pytest.approx(2.0 * 256 * 7680 * 7680 * 0.25 / (353.9e12 * 0.7))
+    with pytest.raises(ValueError, match="weight_scale=0"):
+        annotation_time_s(op, scale=1.0, target=NPU, weight_scale=0)
 
 
 def test_annotation_time_backward_rules() -> None:

@@ -116,3 +116,17 @@ def test_pipeline_order_is_checked():
         parse_pipeline("partition-stages,shard")
     with pytest.raises(PlanError, match="unknown pass"):
         parse_pipeline("shard,nope")
+
+
+def test_partition_uniform_pads_with_empty_layers():
+    sharded = ShardPass().run(state(pp=2, vpp=2))
+    plan = PartitionStagesPass(layer_layout="uniform").run(sharded).stages
+    slot_prefixes = ("layers.", "mtp.", "empty.")
+    counts = {sum(n.startswith(slot_prefixes) for n in plan.stage_layers(s)) for s in range(4)}
+    real = SPEC.num_layers + SPEC.num_mtp_layers
+    capacity = -(-real // 4)
+    assert counts == {capacity} and len(plan.empty_layers) == 4 * capacity - real
+    assert "empty layer(s) fill the chunks" in plan.reason
+    free = PartitionStagesPass(layer_layout="free").run(sharded).stages
+    assert free.empty_layers == () and max(t for r in free.chunk_time_s for t in r) <= max(
+        t for r in plan.chunk_time_s for t in r) + 1e-12
