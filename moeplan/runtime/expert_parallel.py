@@ -1,0 +1,202 @@
+"""Expert parallelism: the MoE block with routed experts spread over the expert group (Megatron-LM
+``MoEAlltoAllTokenDispatcher``; DeepSeek-V3 §3.2; MindSpeed ``--moe-tp-extend-ep``).
+
+Per forward, on a rank whose hidden state is its SP slice ``[b, s/(cp·tp), h]``:
+
+1. **Tokens.** With expert-TP (``etp > 1``) the slice is all-gathered over the etp group, so the etp peers hold the
+   same tokens; otherwise (``etp = 1``: plain EP or TP-extend-EP) the rank routes its own SP slice — under SP the
+   TP ranks already hold different tokens, so the TP group extends the expert group without a gather.
+2. **Routing** with the model family's :class:`moeplan.models.Router` (same scores, ``select`` — top-k,
+   group-limited, MoGE — and gates), the gate weight's gradient summed over TP. Drop-and-pad
+   (``capacity_factor``) keeps, per expert, the first ``C`` slots of the WHOLE micro-batch in token order exactly
+   as moeplan.models.TokenPermute: the chosen experts of all tp×cp ranks are all-gathered to decide it. The
+   auxiliary load-balance loss uses micro-batch-wide expert shares (all-reduced), so its gradient is exact too.
+3. **Dispatch.** Kept slots are sorted by (destination rank, local expert); the ``[ranks, local experts]`` counts
+   are exchanged by ``all_to_all_single`` first, then the token rows go by ``all_to_all_single`` with uneven splits.
+4. **Experts.** The rank's experts (``plan.experts.shards[expert_rank]``) as one :class:`LocalExperts`; under
+   expert-TP each expert's FFN width is split over etp (``w1``/``w3`` columns, ``w2`` rows: partial sums).
+5. **Combine.** The reverse all-to-all, the gate-weighted sum per token, then (expert-TP) reduce-scatter over etp
+   back to the SP slice. The merged shared experts are a TP SwiGLU on the same input.
+
+Under expert-TP the dispatch carries the etp-gathered tokens, so each token crosses the expert group once per etp
+rank (Megatron-LM instead all-to-alls first and gathers over etp after): same results, even-sized collectives.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeplan.errors import PlanError
+from moeplan.models import GroupedExperts, Router, expert_capacity
+from moeplan.runtime.context_parallel import local_positions
+from moeplan.runtime.parallel import (ParamShard, Sharded, all_gather, all_to_all, exchange_counts, gather_no_grad,
+                                      grad_all_reduce, reduce_scatter, split_range)
+from moeplan.runtime.tensor_parallel import ParallelSwiGLU, ShardEnv
+from moeplan.spec import ModelSpec
+
+
+class LocalExperts(GroupedExperts, Sharded):
+    """This rank's routed experts (global indices ``experts``), FFN width split ``etp`` ways (part ``etp_rank``).
+
+    Parameter names and forward are :class:`moeplan.models.GroupedExperts`'s (one matmul per expert).
+    """
+
+    def __init__(self, spec: ModelSpec, *, experts: tuple[int, ...], etp: int, etp_rank: int) -> None:
+        if spec.moe_ffn_size % etp:
+            raise PlanError(f"layout.etp={etp}: must divide moe_ffn_size ({spec.moe_ffn_size})")
+        start, size = split_range(spec.moe_ffn_size, etp, etp_rank)
+        super().__init__(num_experts=len(experts), hidden=spec.hidden_size, ffn=size, equal_split=False,
+                         first_expert=experts[0])
+        self.param_shards = {"w1": ParamShard(dim=2, start=start, size=size, experts=experts),
+                             "w3": ParamShard(dim=2, start=start, size=size, experts=experts),
+                             "w2": ParamShard(dim=1, start=start, size=size, experts=experts)}
+
+
+class _AttachAux(torch.autograd.Function):
+    """Identity on ``x`` whose backward feeds ``coeff`` into ``aux`` (Megatron-LM ``MoEAuxLossAutoScaler``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, coeff: float) -> torch.Tensor:
+        ctx.coeff = coeff
+        ctx.save_for_backward(aux)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.coeff), None
+
+
+class ParallelRouter(Router):
+    """moeplan.models.Router with the gate's gradient summed over TP and a micro-batch-wide auxiliary loss.
+
+    ``forward(x [T, h], own [T_own] rows of x that are this rank's tokens, num_tokens: tokens in the micro-batch)
+    -> (idx [T, k], gates [T, k])``.
+    """
+
+    def __init__(self, spec: ModelSpec, env: ShardEnv, *, aux_loss_coeff: float) -> None:
+        super().__init__(spec, aux_loss_coeff=aux_loss_coeff)
+        self.env = env
+
+    def forward(self, x: torch.Tensor, own: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, grad_all_reduce(self.gate.weight, self.env.tp_link)).float()
+        scores = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(dim=-1)
+        idx = self.select(scores)
+        gates = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
+        gates = gates * self.scale
+        if self.aux_loss_coeff > 0 and gates.requires_grad:
+            aux = self._aux_share(scores.index_select(0, own), idx.index_select(0, own), num_tokens)
+            gates = _AttachAux.apply(gates, aux, self.aux_loss_coeff)
+        return idx, gates.to(x.dtype)
+
+    def _aux_share(self, scores: torch.Tensor, idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """This rank's share of moeplan.models.load_balance_loss over the micro-batch: ``E Σ_e f_e · P_e``, with
+        ``f_e`` the micro-batch-wide slot share (all-reduced, no gradient) and ``P_e`` summed over own tokens."""
+        experts = scores.shape[1]
+        counts = torch.zeros(experts, device=scores.device).scatter_add_(
+            0, idx.flatten(), torch.ones(idx.numel(), device=scores.device))
+        counts = gather_no_grad(counts.unsqueeze(0), self.env.tp_cp_link).sum(0)
+        probs = scores / scores.sum(-1, keepdim=True)
+        return experts * (counts / (num_tokens * idx.shape[1]) * probs.sum(0) / num_tokens).sum()
+
+
+def capacity_keep(idx: torch.Tensor, *, num_experts: int, capacity_factor: float) -> torch.Tensor:
+    """``idx [T, k]`` of a whole micro-batch in token order -> ``keep [T, k]`` bool: each expert keeps its first
+    ``expert_capacity`` slots in slot order ``t·k + j`` (moeplan.models.TokenPermute's drop-and-pad rule)."""
+    flat = idx.flatten()
+    cap = expert_capacity(num_slots=flat.numel(), num_experts=num_experts, capacity_factor=capacity_factor)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    expert_of_row = flat.index_select(0, order)
+    rank = torch.arange(flat.numel(), device=idx.device) - (counts.cumsum(0) - counts).index_select(0, expert_of_row)
+    keep = torch.empty_like(flat, dtype=torch.bool)
+    keep[order] = rank < cap
+    return keep.view_as(idx)
+
+
+class ParallelMoE(nn.Module):
+    """The MoE FFN over the expert group (see the module docstring): ``forward(x [b, s/(cp·tp), h]) -> same``.
+
+    Parameters: ``router.gate.weight`` (replicated), ``experts.w1/w3/w2`` (this rank's experts and etp part),
+    ``shared.w1/w3/w2`` (TP-sharded), named as in moeplan.models.MoE.
+    """
+
+    def __init__(self, env: ShardEnv, *, aux_loss_coeff: float = 0.0) -> None:
+        super().__init__()
+        spec, lay, coords = env.spec, env.layout, env.coords
+        self.env, self.hidden = env, spec.hidden_size
+        self.router = ParallelRouter(spec, env, aux_loss_coeff=aux_loss_coeff)
+        mine = env.expert_placement[coords.expert_rank]
+        self.experts = LocalExperts(spec, experts=mine, etp=lay.etp, etp_rank=coords.etp_rank)
+        self.shared = ParallelSwiGLU(spec.hidden_size, spec.shared_ffn_size, env) if spec.num_shared_experts else None
+        self.slots_per_rank = max(len(s) for s in env.expert_placement)
+        owner, local = [0] * spec.num_experts, [0] * spec.num_experts
+        for r, shard in enumerate(env.expert_placement):
+            for i, e in enumerate(shard):
+                owner[e], local[e] = r, i
+        self.owner, self.local_index = tuple(owner), tuple(local)
+
+    def _token_rows(self, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat micro-batch index ``b·s + position`` of each routed row, and the rows that are this rank's own."""
+        env, lay = self.env, self.env.layout
+        base = env.coords.tp_rank - env.coords.etp_rank
+        pos = torch.cat([env.positions(base + r) for r in range(lay.etp)]).to(device)
+        flat = (torch.arange(batch, device=device)[:, None] * lay.seq_len + pos[None, :]).flatten()
+        per = pos.numel() // lay.etp
+        own = (torch.arange(batch, device=device)[:, None] * pos.numel() + env.coords.etp_rank * per
+               + torch.arange(per, device=device)[None, :]).flatten()
+        return flat, own
+
+    def _keep(self, idx: torch.Tensor, rows: torch.Tensor, own: torch.Tensor, batch: int) -> torch.Tensor:
+        """Drop-and-pad decision for ``rows`` from the chosen experts of every rank of the micro-batch."""
+        env, lay = self.env, self.env.layout
+        every = gather_no_grad(idx.index_select(0, own), env.tp_cp_link)  # tp_cp order: tp innermost, then cp
+        where = torch.cat([
+            (torch.arange(batch)[:, None] * lay.seq_len + local_positions(
+                lay.seq_len, cp=lay.cp, cp_rank=c, tp=lay.tp, tp_rank=t)[None, :]).flatten()
+            for c in range(lay.cp) for t in range(lay.tp)]).to(idx.device)
+        whole = torch.empty((batch * lay.seq_len, idx.shape[1]), dtype=idx.dtype, device=idx.device)
+        whole[where] = every
+        keep = capacity_keep(whole, num_experts=env.spec.num_experts, capacity_factor=env.spec.capacity_factor)
+        return keep.index_select(0, rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        env, batch = self.env, x.shape[0]
+        tokens = all_gather(x, 1, env.etp_link)
+        flat = tokens.reshape(-1, self.hidden)
+        rows, own = self._token_rows(batch, x.device)
+        idx, gates = self.router(flat, own, batch * env.layout.seq_len)
+        keep = None if env.spec.capacity_factor is None else self._keep(idx, rows, own, batch)
+        routed = self._routed(flat, idx, gates, keep).view(batch, -1, self.hidden)
+        out = reduce_scatter(routed, 1, env.etp_link)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+    def _routed(self, flat: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor,
+                keep: torch.Tensor | None) -> torch.Tensor:
+        """Dispatch, local experts, combine: ``[T, h]`` (a partial sum over etp under expert-TP)."""
+        link, k, per = self.env.expert_link, idx.shape[1], self.slots_per_rank
+        ranks = len(self.env.expert_placement)
+        slots = torch.arange(idx.numel(), device=flat.device)
+        if keep is not None:
+            slots = slots[keep.flatten()]
+        experts = idx.flatten().index_select(0, slots)
+        key = (torch.tensor(self.owner, device=flat.device).index_select(0, experts) * per
+               + torch.tensor(self.local_index, device=flat.device).index_select(0, experts))
+        order = torch.argsort(key, stable=True)
+        slots, key = slots.index_select(0, order), key.index_select(0, order)
+        send_counts = torch.bincount(key, minlength=ranks * per).view(ranks, per)
+        recv_counts = exchange_counts(send_counts, link)
+        send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        received = all_to_all(flat.index_select(0, slots // k), send, recv, link)
+        local_expert = torch.arange(per, device=flat.device).repeat(ranks).repeat_interleave(recv_counts.flatten())
+        by_expert = torch.argsort(local_expert, stable=True)
+        tokens_per_expert = torch.bincount(local_expert, minlength=per)[:self.experts.num_experts]
+        computed = self.experts(received.index_select(0, by_expert), tokens_per_expert)
+        back = all_to_all(computed.index_select(0, torch.argsort(by_expert)), recv, send, link)
+        weighted = back * gates.flatten().index_select(0, slots).unsqueeze(-1)
+        return flat.new_zeros(flat.shape).index_add(0, slots // k, weighted)

@@ -1,0 +1,172 @@
+"""Rank coordinates and torch.distributed process groups of a plan's layout (DESIGN §7).
+
+Dense ranks are laid out TP innermost, then CP, then DP, then PP (Megatron-LM's ``tp-cp-ep-dp-pp`` order,
+moeplan.layout)::
+
+    rank = tp_rank + tp · (cp_rank + cp · (dp_rank + dp · pp_rank))
+
+Inside one PP stage the ``tp·cp·dp`` ranks have the local index ``l = rank mod tp·cp·dp``. The expert layout
+re-reads the same ranks as etp innermost, then the expert group, then expert-DP (Megatron-LM's expert rank
+generator, ``parallel_state.initialize_model_parallel`` with ``expert_tensor_parallel_size``)::
+
+    l = etp_rank + etp · (expert_rank + expert_shards · expert_dp_rank)
+
+so an etp group is a run of consecutive TP ranks (etp divides tp), the expert group (``expert_shards = ep·tp/etp``
+ranks) spans the TP group when ``etp = 1 < tp`` (TP-extend-EP) and ``ep`` CP×DP ranks of one TP rank when
+``etp = tp`` (expert-TP). Process-group ranks are global ranks sorted ascending (``new_group`` sorts them), which
+is the order of the coordinate each group runs over.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import ClassVar
+
+import torch.distributed as dist
+
+from moeplan.errors import PlanError
+from moeplan.plan import PlanLayout
+
+DEFAULT_GROUP_TIMEOUT = timedelta(seconds=60)
+
+Ranks = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """This rank's position in the layout (all 0-based). ``expert_rank`` indexes ``plan.experts.shards``."""
+
+    rank: int
+    tp_rank: int
+    cp_rank: int
+    dp_rank: int
+    pp_rank: int
+    expert_rank: int
+    etp_rank: int
+    expert_dp_rank: int
+
+
+@dataclass(frozen=True)
+class GroupRanks:
+    """Every group of each kind as tuples of global ranks (ascending). Pure function of the layout."""
+
+    tp: Ranks
+    cp: Ranks
+    dp: Ranks
+    dp_cp: Ranks
+    tp_cp: Ranks
+    expert: Ranks
+    etp: Ranks
+    expert_dp: Ranks
+    pp: Ranks
+
+    KINDS: ClassVar[tuple[str, ...]] = ("tp", "cp", "dp", "dp_cp", "tp_cp", "expert", "etp", "expert_dp", "pp")
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's process groups; ``None`` where the group has one rank.
+
+    ``dp_cp``: dense-gradient group (dp × cp ranks of one tp/pp rank). ``tp_cp``: the ranks that share one
+    micro-batch (tp × cp of one dp/pp rank; used for capacity-factor routing and loss statistics). ``expert``: the
+    dispatch/combine all-to-all group (``expert_shards`` ranks). ``etp``: expert tensor-parallel group.
+    ``expert_dp``: ranks holding the same expert shard (expert-gradient group). ``pp``: this rank's pipeline, whose
+    global ranks by pp_rank are ``pp_ranks``.
+    """
+
+    tp: dist.ProcessGroup | None
+    cp: dist.ProcessGroup | None
+    dp: dist.ProcessGroup | None
+    dp_cp: dist.ProcessGroup | None
+    tp_cp: dist.ProcessGroup | None
+    expert: dist.ProcessGroup | None
+    etp: dist.ProcessGroup | None
+    expert_dp: dist.ProcessGroup | None
+    pp: dist.ProcessGroup | None
+    pp_ranks: tuple[int, ...]
+
+
+def check_layout_for_runtime(layout: PlanLayout) -> None:
+    """Raise PlanError unless the runtime can execute ``layout`` (degrees that divide, SP exactly when tp > 1)."""
+    stage = layout.tp * layout.cp * layout.dp
+    if stage * layout.pp != layout.num_devices:
+        raise PlanError(f"layout.num_devices={layout.num_devices}: must equal tp·cp·dp·pp = {stage * layout.pp}")
+    if layout.tp % layout.etp or (layout.cp * layout.dp) % layout.ep:
+        raise PlanError(f"layout.etp={layout.etp}, ep={layout.ep}: etp must divide tp ({layout.tp}) and ep must "
+                        f"divide cp·dp ({layout.cp * layout.dp})")
+    if layout.sequence_parallel != (layout.tp > 1):
+        raise PlanError(f"layout.sequence_parallel={layout.sequence_parallel}: the runtime runs TP with sequence "
+                        f"parallelism, so it must be true exactly when tp > 1 (tp={layout.tp})")
+    if layout.seq_len % (layout.cp * layout.tp) or (layout.cp > 1 and layout.seq_len % (2 * layout.cp)):
+        raise PlanError(f"layout.seq_len={layout.seq_len}: must be divisible by cp·tp = {layout.cp * layout.tp} "
+                        f"and by 2·cp for load-balanced context parallelism")
+
+
+def expert_shards(layout: PlanLayout) -> int:
+    """Ranks the expert count is split over: ``ep · tp / etp``."""
+    return layout.ep * layout.tp // layout.etp
+
+
+def rank_coords(layout: PlanLayout, rank: int) -> RankCoords:
+    """Coordinates of global ``rank`` (see the module docstring). Raises PlanError for a rank outside the layout."""
+    if not 0 <= rank < layout.num_devices:
+        raise PlanError(f"rank={rank}: must be in 0..{layout.num_devices - 1} (layout.num_devices)")
+    stage = layout.tp * layout.cp * layout.dp
+    local = rank % stage
+    shards = expert_shards(layout)
+    return RankCoords(rank=rank, tp_rank=local % layout.tp, cp_rank=(local // layout.tp) % layout.cp,
+                      dp_rank=local // (layout.tp * layout.cp), pp_rank=rank // stage,
+                      etp_rank=local % layout.etp, expert_rank=(local // layout.etp) % shards,
+                      expert_dp_rank=local // (layout.etp * shards))
+
+
+def _groups(world: int, key) -> Ranks:
+    """Partition ranks ``0..world-1`` by ``key(rank)``; groups in order of first member, members ascending."""
+    out: dict[object, list[int]] = {}
+    for r in range(world):
+        out.setdefault(key(r), []).append(r)
+    return tuple(tuple(v) for v in out.values())
+
+
+def group_ranks(layout: PlanLayout) -> GroupRanks:
+    """All groups of every kind for ``layout`` (no processes needed)."""
+    world = layout.num_devices
+
+    def c(r: int) -> RankCoords:
+        return rank_coords(layout, r)
+
+    return GroupRanks(
+        tp=_groups(world, lambda r: (c(r).cp_rank, c(r).dp_rank, c(r).pp_rank)),
+        cp=_groups(world, lambda r: (c(r).tp_rank, c(r).dp_rank, c(r).pp_rank)),
+        dp=_groups(world, lambda r: (c(r).tp_rank, c(r).cp_rank, c(r).pp_rank)),
+        dp_cp=_groups(world, lambda r: (c(r).tp_rank, c(r).pp_rank)),
+        tp_cp=_groups(world, lambda r: (c(r).dp_rank, c(r).pp_rank)),
+        expert=_groups(world, lambda r: (c(r).etp_rank, c(r).expert_dp_rank, c(r).pp_rank)),
+        etp=_groups(world, lambda r: (c(r).expert_rank, c(r).expert_dp_rank, c(r).pp_rank)),
+        expert_dp=_groups(world, lambda r: (c(r).etp_rank, c(r).expert_rank, c(r).pp_rank)),
+        pp=_groups(world, lambda r: r % (layout.tp * layout.cp * layout.dp)))
+
+
+def make_groups(layout: PlanLayout, rank: int, *,
+                timeout: timedelta = DEFAULT_GROUP_TIMEOUT) -> tuple[RankCoords, ParallelGroups]:
+    """Create every process group of ``layout`` and return this rank's coordinates and groups.
+
+    Collective over the default process group (already initialised): every rank calls ``new_group`` for every
+    group of more than one rank, kinds in :attr:`GroupRanks.KINDS` order, so the calls match on all ranks.
+    ``timeout`` bounds every collective of the new groups (a dead peer fails them instead of hanging).
+    Raises PlanError when the layout does not fit the launched world.
+    """
+    check_layout_for_runtime(layout)
+    if dist.get_world_size() != layout.num_devices:
+        raise PlanError(f"layout.num_devices={layout.num_devices}: {dist.get_world_size()} processes were launched")
+    coords, ranks = rank_coords(layout, rank), group_ranks(layout)
+    mine: dict[str, dist.ProcessGroup | None] = {}
+    for kind in GroupRanks.KINDS:
+        mine[kind] = None
+        for members in getattr(ranks, kind):
+            if len(members) > 1:
+                group = dist.new_group(list(members), timeout=timeout)
+                if rank in members:
+                    mine[kind] = group
+    pp_ranks = next(m for m in ranks.pp if rank in m)
+    return coords, ParallelGroups(**mine, pp_ranks=pp_ranks)

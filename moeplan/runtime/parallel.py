@@ -1,0 +1,274 @@
+"""Autograd-aware collectives and shard bookkeeping shared by the TP/SP, EP and CP layers.
+
+Every collective is a ``torch.autograd.Function`` whose backward is the transposed collective (Megatron-LM
+``core/tensor_parallel/mappings.py``), so gradients through a sharded layer are exact:
+
+=====================  ===========================  ===========================
+function               forward                      backward
+=====================  ===========================  ===========================
+``all_gather``         all-gather along ``dim``     reduce-scatter (sum)
+``reduce_scatter``     reduce-scatter (sum)         all-gather
+``grad_all_reduce``    identity                     all-reduce (sum)
+``value_all_reduce``   all-reduce (sum)             identity
+``all_to_all``         all_to_all_single (splits)   all_to_all_single (splits swapped)
+=====================  ===========================  ===========================
+
+Each takes a :class:`Link` (a group, and the comm class its payload bytes are tallied under in an optional
+:class:`CommLog`); a group of ``None`` means one rank and the function is the identity. Outputs are plain contiguous
+tensors (gloo needs contiguous buffers; the flat all-gather / reduce-scatter work on dim 0 only, so the gathered dim
+is moved to the front and back). All-gather / reduce-scatter take equal sizes only (gloo has no uneven all-gather);
+``all_to_all`` takes uneven and zero splits.
+
+:class:`ParamShard` records which part of the single-process parameter a rank holds, so one rule materialises it
+(moeplan.runtime.build) and a checkpoint can name it.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+Group = dist.ProcessGroup | None
+CommClass = Literal["tp", "ep", "cp", "dp", "pp"]
+# torch 2.13 renamed the flat collectives (the old names warn); older torch (e.g. with torch_npu) has only the old.
+_ALL_GATHER = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
+_REDUCE_SCATTER = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else dist.reduce_scatter_tensor
+
+
+def group_size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((group_size(group) * front.shape[0], *front.shape[1:]))
+    _ALL_GATHER(out, front, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    front = x.movedim(dim, 0).contiguous()
+    world = group_size(group)
+    assert front.shape[0] % world == 0, f"reduce-scatter of {front.shape[0]} rows over {world} ranks"
+    out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
+    _REDUCE_SCATTER(out, front, op=dist.ReduceOp.SUM, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+@dataclass(frozen=True)
+class Link:
+    """A process group (``None``: one rank) and where its traffic is tallied (``comm_class`` of ``log``)."""
+
+    group: Group
+    comm_class: CommClass
+    log: "CommLog | None" = None
+
+    @property
+    def size(self) -> int:
+        return group_size(self.group)
+
+    def record(self, kind: str, phase: str, x: torch.Tensor) -> None:
+        if self.log is not None:
+            self.log.add(self.comm_class, kind, phase, x.numel() * x.element_size())
+
+
+class CommLog:
+    """One rank's tally of collective payloads: bytes and calls by ``(comm_class, kind, phase)``.
+
+    The payload is the tensor one rank holds before the op (moeplan.state.CommOp's ``bytes``): the input of an
+    all-gather, all-reduce or all-to-all and the full input of a reduce-scatter. Mutable; one per process, passed
+    explicitly (moeplan.runtime.build.build_rank_modules).
+    """
+
+    def __init__(self) -> None:
+        self.bytes: Counter[tuple[str, str, str]] = Counter()
+        self.calls: Counter[tuple[str, str, str]] = Counter()
+
+    def add(self, comm_class: str, kind: str, phase: str, nbytes: int) -> None:
+        self.bytes[(comm_class, kind, phase)] += nbytes
+        self.calls[(comm_class, kind, phase)] += 1
+
+    def bytes_by_class(self) -> dict[str, int]:
+        out: Counter[str] = Counter()
+        for (comm_class, _, _), n in self.bytes.items():
+            out[comm_class] += n
+        return dict(out)
+
+    def clear(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, link):
+        ctx.dim, ctx.link = dim, link
+        link.record("all_gather", "fwd", x)
+        return _gather(x, dim, link.group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.link.record("reduce_scatter", "bwd", grad)
+        return _reduce_scatter(grad, ctx.dim, ctx.link.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, link):
+        ctx.dim, ctx.link = dim, link
+        link.record("reduce_scatter", "fwd", x)
+        return _reduce_scatter(x, dim, link.group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.link.record("all_gather", "bwd", grad)
+        return _gather(grad, ctx.dim, ctx.link.group), None, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, link):
+        ctx.link = link
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.link.record("all_reduce", "bwd", grad)
+        return _all_reduce(grad, ctx.link.group), None
+
+
+class _ValueAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, link):
+        link.record("all_reduce", "fwd", x)
+        return _all_reduce(x, link.group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send, recv, link):
+        ctx.send, ctx.recv, ctx.link = send, recv, link
+        link.record("all_to_all", "fwd", x)
+        return _a2a(x, send, recv, link.group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.link.record("all_to_all", "bwd", grad)
+        return _a2a(grad, ctx.recv, ctx.send, ctx.link.group), None, None, None
+
+
+def all_gather(x: torch.Tensor, dim: int, link: Link) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in group-rank order (equal shapes); backward reduce-scatters."""
+    return x if link.group is None else _AllGather.apply(x, dim, link)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, link: Link) -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's ``1/world`` slice of ``dim``; backward all-gathers."""
+    return x if link.group is None else _ReduceScatter.apply(x, dim, link)
+
+
+def grad_all_reduce(x: torch.Tensor, link: Link) -> torch.Tensor:
+    """Identity whose backward sums the gradient over the group (Megatron ``copy_to_tensor_model_parallel_region``).
+
+    Wraps each use of a parameter replicated over a group whose ranks see different tokens or different shards
+    downstream, so every rank ends with the full gradient of the replicated parameter.
+    """
+    return x if link.group is None else _GradAllReduce.apply(x, link)
+
+
+def value_all_reduce(x: torch.Tensor, link: Link) -> torch.Tensor:
+    """Sum ``x`` over the group; backward passes the gradient through unchanged (each rank keeps its own part)."""
+    return x if link.group is None else _ValueAllReduce.apply(x, link)
+
+
+def max_all_reduce(x: torch.Tensor, link: Link) -> torch.Tensor:
+    """Element-wise max over the group, in place, no gradient."""
+    if link.group is not None:
+        link.record("all_reduce", "fwd", x)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=link.group)
+    return x
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], link: Link) -> torch.Tensor:
+    """``all_to_all_single`` of the rows of ``x``: ``send[i]`` rows to group rank i, ``recv[i]`` rows from it.
+
+    Uneven and zero splits are allowed; the split lists must agree across ranks (exchange the counts first with
+    :func:`exchange_counts`). Backward sends the gradient rows back the same way.
+    """
+    return x if link.group is None else _AllToAll.apply(x, send, recv, link)
+
+
+def exchange_counts(counts: torch.Tensor, link: Link) -> torch.Tensor:
+    """``counts [world, n]`` int64 (row i: what this rank sends to rank i) -> ``[world, n]`` received (row i: what
+    rank i sends here). No gradient."""
+    if link.group is None:
+        return counts.clone()
+    link.record("all_to_all", "fwd", counts)
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out.view(-1), counts.contiguous().view(-1), group=link.group)
+    return out
+
+
+def gather_no_grad(x: torch.Tensor, link: Link) -> torch.Tensor:
+    """All-gather along dim 0 without autograd (indices, counts)."""
+    if link.group is None:
+        return x
+    link.record("all_gather", "fwd", x)
+    return _gather(x.detach(), 0, link.group)
+
+
+# ---- shards -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamShard:
+    """The part of a single-process parameter a rank holds.
+
+    First, for routed experts, ``experts`` picks global expert indices along dim 0 of the stacked ``[E, ...]``
+    tensor; then ``full.narrow(dim, start, size)`` when ``dim`` is not None. A parameter without a ParamShard is
+    replicated whole.
+    """
+
+    dim: int | None = None
+    start: int = 0
+    size: int = 0
+    experts: tuple[int, ...] | None = None
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This shard of the full tensor ``full`` (experts already selected when ``experts`` is set)."""
+        return full if self.dim is None else full.narrow(self.dim, self.start, self.size)
+
+
+def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
+    """``(start, size)`` of part ``index`` of ``total`` split into ``parts`` equal contiguous parts."""
+    assert total % parts == 0, f"{total} is not divisible by {parts}"
+    size = total // parts
+    return index * size, size
+
+
+class Sharded:
+    """Mixin of a parallel module: ``param_shards`` maps its own (non-recursive) parameter names to ParamShards."""
+
+    param_shards: dict[str, ParamShard]
