@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from moeplan.cost_models.timeline import parse_action
+
 PARAM_BYTES = 2  # bf16 weights
 GRAD_BYTES = 4  # fp32 gradient accumulation (Megatron --accumulate-allreduce-grads-in-fp32)
 OPTIMIZER_BYTES = 12  # fp32 main weights + Adam m and v
@@ -57,29 +59,18 @@ def peak_live_bytes(actions: Sequence[str], stage_bytes: Mapping[int, float]) ->
     ``actions`` in torch.distributed.pipelining notation (``"3F7"``, ``"3B7"``, ``"3I7"``, ``"3W7"``; comm actions
     are ignored). ``stage_bytes[s]`` is what one micro-batch keeps on stage ``s`` from F until its backward ends.
     Returns (peak bytes, peak number of in-flight (stage, micro-batch) pairs). The peak depends only on the order of
-    the compute actions, not on their durations.
+    the compute actions, not on their durations. Raises PlanError for an action that does not parse.
     """
     live = peak = 0.0
     count = peak_count = 0
-    for a in actions:
-        kind, stage = _compute_kind(a)
-        if kind == "F":
-            live += stage_bytes[stage]
+    for text in actions:
+        a = parse_action(text)
+        if a.kind == "F":
+            live += stage_bytes[a.stage]
             count += 1
-        elif kind in ("B", "W"):
-            live -= stage_bytes[stage]
+        elif a.kind in ("B", "W"):
+            live -= stage_bytes[a.stage]
             count -= 1
         peak = max(peak, live)
         peak_count = max(peak_count, count)
     return peak, peak_count
-
-
-def _compute_kind(action: str) -> tuple[str, int]:
-    """('F'|'B'|'I'|'W'|'', stage) of an action string; '' for communication actions."""
-    i = 0
-    while i < len(action) and action[i].isdigit():
-        i += 1
-    rest = action[i:]
-    if rest[:1] in ("F", "B", "I", "W") and rest[1:].isdigit():
-        return rest[0], int(action[:i])
-    return "", int(action[:i] or 0)

@@ -22,10 +22,11 @@ is immediately preceded by its ``RECV_F``; the same for B backwards with ``SEND_
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Sequence
 
-from moeplan.cost_models.timeline import parse_action
+from moeplan.cost_models.memory import peak_live_bytes
 from moeplan.errors import LayoutError, PlanError
 from moeplan.state import PlanState, Schedule
 
@@ -112,15 +113,8 @@ def max_in_flight(actions: Sequence[Sequence[str]], *, pp: int) -> tuple[int, ..
     """
     if len(actions) != pp:
         raise PlanError(f"actions={len(actions)} ranks: must equal pp={pp}")
-    peaks = []
-    for rank_actions in actions:
-        live = peak = 0
-        for text in rank_actions:
-            kind = parse_action(text).kind
-            live += 1 if kind == "F" else -1 if kind in ("B", "W") else 0
-            peak = max(peak, live)
-        peaks.append(peak)
-    return tuple(peaks)
+    ones = defaultdict(lambda: 1.0)  # every stage's micro-batch weighs 1
+    return tuple(peak_live_bytes(rank_actions, ones)[1] for rank_actions in actions)
 
 
 @dataclass(frozen=True)
