@@ -64,7 +64,7 @@ def load_balance_loss(scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return experts * (share / flat.numel() * probs.mean(0)).sum()
 
 
-class _AttachAuxLoss(torch.autograd.Function):
+class AttachAuxLoss(torch.autograd.Function):
     """Identity on ``x`` whose backward also feeds gradient ``coeff`` into ``aux`` (Megatron MoEAuxLossAutoScaler):
     the auxiliary loss trains the router without travelling through the pipeline as a second output."""
 
@@ -116,7 +116,7 @@ class Router(nn.Module):
             gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
         gates = gates * self.scale
         if self.aux_loss_coeff > 0 and gates.requires_grad:
-            gates = _AttachAuxLoss.apply(gates, load_balance_loss(scores, idx), self.aux_loss_coeff)
+            gates = AttachAuxLoss.apply(gates, load_balance_loss(scores, idx), self.aux_loss_coeff)
         return idx, gates.to(x.dtype)
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from moeplan.errors import PlanError
 from moeplan.ir import LayerKind
-from moeplan.models import EmptyLayer, GroupedExperts, build_layer, parse_layer_name, shared_sources
+from moeplan.models import DecoderLayer, EmptyLayer, GroupedExperts, build_layer, parse_layer_name, shared_sources
 from moeplan.models.init import initial_value
 from moeplan.plan import Plan
 from moeplan.runtime.expert_parallel import LocalExperts, ParallelMoE
@@ -39,11 +39,11 @@ from moeplan.runtime.tensor_parallel import (ParallelEmbedding, ParallelHead, Pa
 from moeplan.spec import ModelSpec
 
 
-class ParallelDecoderLayer(nn.Module):
+class ParallelDecoderLayer(DecoderLayer):
     """moeplan.models.DecoderLayer on the SP slice: ``forward(hidden [b, s/(cp·tp), h]) -> same``."""
 
     def __init__(self, env: ShardEnv, *, moe: bool, aux_loss_coeff: float = 0.0) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # DecoderLayer.forward runs on these sharded parts
         spec = env.spec
         self.input_norm = sp_norm(env)
         self.attn = parallel_attention(env)
@@ -52,16 +52,6 @@ class ParallelDecoderLayer(nn.Module):
         self.mlp = (ParallelMoE(env, aux_loss_coeff=aux_loss_coeff) if moe
                     else ParallelSwiGLU(spec.hidden_size, spec.dense_ffn_size, env))
         self.post_mlp_norm = sp_norm(env) if spec.sandwich_norm else None
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        attn = self.attn(self.input_norm(hidden))
-        if self.post_attn_norm is not None:
-            attn = self.post_attn_norm(attn)
-        hidden = hidden + attn
-        mlp = self.mlp(self.pre_mlp_norm(hidden))
-        if self.post_mlp_norm is not None:
-            mlp = self.post_mlp_norm(mlp)
-        return hidden + mlp
 
 
 class ParallelMTPBlock(nn.Module):

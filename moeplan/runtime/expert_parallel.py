@@ -29,6 +29,7 @@ from torch import nn
 
 from moeplan.errors import PlanError
 from moeplan.models import GroupedExperts, Router, expert_capacity
+from moeplan.models.moe import AttachAuxLoss
 from moeplan.runtime.context_parallel import local_positions
 from moeplan.runtime.parallel import (ParamShard, Sharded, all_gather, all_to_all, exchange_counts, gather_no_grad,
                                       grad_all_reduce, reduce_scatter, split_range)
@@ -53,21 +54,6 @@ class LocalExperts(GroupedExperts, Sharded):
                              "w2": ParamShard(dim=1, start=start, size=size, experts=experts)}
 
 
-class _AttachAux(torch.autograd.Function):
-    """Identity on ``x`` whose backward feeds ``coeff`` into ``aux`` (Megatron-LM ``MoEAuxLossAutoScaler``)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, coeff: float) -> torch.Tensor:
-        ctx.coeff = coeff
-        ctx.save_for_backward(aux)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, ctx.coeff), None
-
-
 class ParallelRouter(Router):
     """moeplan.models.Router with the gate's gradient summed over TP and a micro-batch-wide auxiliary loss.
 
@@ -89,7 +75,7 @@ class ParallelRouter(Router):
         gates = gates * self.scale
         if self.aux_loss_coeff > 0 and gates.requires_grad:
             aux = self._aux_share(scores.index_select(0, own), idx.index_select(0, own), num_tokens)
-            gates = _AttachAux.apply(gates, aux, self.aux_loss_coeff)
+            gates = AttachAuxLoss.apply(gates, aux, self.aux_loss_coeff)
         return idx, gates.to(x.dtype)
 
     def _aux_share(self, scores: torch.Tensor, idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
