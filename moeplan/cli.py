@@ -127,6 +127,130 @@ def schema_cmd() -> None:
     sys.stdout.write(json.dumps(plan_json_schema(), indent=2) + "\n")
 
 
+@app.command("run")
+def run_cmd(
+    plan_path: str = typer.Argument(..., metavar="PLAN"),
+    steps: int = typer.Option(..., "--steps", help="training steps to run (in total, when resuming)"),
+    metrics: Optional[str] = typer.Option(None, "--metrics", help="write one JSON line per step here"),
+    data: Optional[str] = typer.Option(None, "--data", help="text, .npy or .pt token file (default: stdlib sources)"),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="checkpoint every K steps (0: never)"),
+    checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the newest complete checkpoint"),
+    seed: int = typer.Option(0, "--seed"),
+    lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate"),
+    timeout: float = typer.Option(60.0, "--timeout", help="collective timeout, seconds"),
+    devices: Optional[int] = typer.Option(None, "--devices", help="refuse the plan unless it is for this many"),
+    meter_every: int = typer.Option(1, "--meter-every", help="measure saved activations and in-layer collectives "
+                                                             "every K steps (their hooks slow those steps)"),
+) -> None:
+    """Train with PLAN: local processes for a cpu target, the torchrun command for cuda/npu (or run under it)."""
+    import os
+
+    from moeplan.errors import PlanError
+    from moeplan.plan import load_plan
+    from moeplan.runtime.data import BYTE_VOCAB, check_tokens, file_tokens
+    from moeplan.runtime.launch import (RunFailed, RunRequest, check_runnable, launch_local, torchrun_command,
+                                        under_torchrun)
+
+    for name, v in (("steps", steps), ("devices", devices), ("meter_every", meter_every)):
+        _positive(name, v)
+    if checkpoint_every < 0 or timeout <= 0 or lr <= 0:
+        raise PlanError(f"checkpoint_every={checkpoint_every}, timeout={timeout}, lr={lr}: checkpoint_every must be "
+                        f">= 0, timeout and lr > 0")
+    if (checkpoint_every or resume) and not checkpoint_dir:
+        raise PlanError("checkpoint_dir=None: --checkpoint-every and --resume need --checkpoint-dir")
+    plan = load_plan(plan_path)
+    if devices is not None and devices != plan.layout.num_devices:
+        raise PlanError(f"layout.num_devices={plan.layout.num_devices}: the plan is not for --devices {devices}")
+    request = RunRequest(plan=os.path.abspath(plan_path), steps=steps, metrics=metrics, data=data,
+                         checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, resume=resume, seed=seed,
+                         lr=lr, timeout_s=timeout, meter_every=meter_every)
+    if under_torchrun():
+        from moeplan.runtime.worker import main as worker_main
+
+        check_runnable(plan, world_size=int(os.environ["WORLD_SIZE"]))
+        raise typer.Exit(worker_main(request.argv()))
+    if plan.target.backend != "cpu":
+        check_runnable(plan, need_backend=False)
+        out.print(f"# run on every node of the cluster ({plan.target.backend}, {plan.layout.num_devices} devices):")
+        out.print(torchrun_command(plan, request), markup=False, highlight=False, soft_wrap=True)
+        return
+    check_runnable(plan)
+    if resume:
+        from moeplan.runtime.checkpoint import check_layout, newest_checkpoint
+
+        ref = newest_checkpoint(checkpoint_dir)
+        if ref is not None:
+            check_layout(ref, plan.layout)
+    if data is None and plan.model.spec.vocab_size < BYTE_VOCAB:
+        raise PlanError(f"model.spec.vocab_size={plan.model.spec.vocab_size}: byte-level stdlib data needs "
+                        f">= {BYTE_VOCAB}; pass --data")
+    if data is not None:
+        check_tokens(file_tokens(data), vocab_size=plan.model.spec.vocab_size, seq_len=plan.layout.seq_len)
+    try:
+        launch_local(plan, request)
+    except RunFailed as e:
+        err.print(f"error: {e}", markup=False)
+        raise typer.Exit(1)
+
+
+@app.command("compare")
+def compare_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
+                metrics_path: str = typer.Argument(..., metavar="METRICS"),
+                first_step: int = typer.Option(5, "--first-step", help="median over steps from this one on"),
+                as_json: bool = typer.Option(False, "--json")) -> None:
+    """Predicted (PLAN) vs measured (METRICS from `moeplan run`): step time, actions, comm, activations."""
+    from moeplan.plan import load_plan
+    from moeplan.runtime.compare import compare, read_records, render_rows, rows_json
+
+    _positive("first_step", first_step)
+    plan = load_plan(plan_path)
+    rows = compare(plan, read_records(metrics_path), first_step=first_step)
+    if as_json:
+        out.print_json(json.dumps(rows_json(rows)))
+        return
+    render_rows(out, rows, title=f"{plan.model.name} · {plan.target.name} · predicted vs measured "
+                                 f"(median of steps >= {first_step})")
+
+
+@app.command("calibrate")
+def calibrate_cmd(target: str = typer.Option("cpu", "--target", help="base target (a cpu target)"),
+                  output: str = typer.Option(..., "-o", "--output", help="write the calibrated target YAML here"),
+                  name: Optional[str] = typer.Option(None, "--name", help="target name (default: the file's stem)"),
+                  fit_model: Optional[str] = typer.Option(None, "--fit-model",
+                                                          help="scale the launch costs to a measured step of MODEL"),
+                  as_json: bool = typer.Option(False, "--json")) -> None:
+    """Measure this machine (matmul, elementwise, per-op overhead, gloo α–β) and write a calibrated cpu target."""
+    from pathlib import Path
+
+    from moeplan.errors import TargetError
+    from moeplan.runtime.calibrate import calibrate, calibrated_target, fit_launch_scale, write_target
+    from moeplan.spec import load_spec
+    from moeplan.targets import load_target
+
+    base = load_target(target)
+    if base.backend != "cpu":
+        raise TargetError(f"target={target!r}: calibrate measures this machine's CPU; choose a cpu target")
+    spec = load_spec(fit_model) if fit_model else None
+    cal = calibrate()
+    tgt = calibrated_target(base, cal, name=name or Path(output).stem)
+    fit = fit_launch_scale(spec, tgt) if spec is not None else None
+    if fit is not None:
+        tgt = calibrated_target(base, cal, name=tgt.name, launch_scale=fit.scale)
+        out.print(f"launch costs x {fit.scale:.2f}: a 1-device {fit_model} step measured "
+                  f"{fit.measured_step_s * 1e3:.1f} ms, predicted {fit.predicted_step_s_at_0 * 1e3:.1f} ms without "
+                  f"launch costs and {fit.predicted_step_s_at_1 * 1e3:.1f} ms with the measured ones")
+    write_target(tgt, cal, output, fit=fit, fit_model=fit_model or "")
+    if as_json:
+        out.print_json(json.dumps(tgt.model_dump(mode="json")))
+        return
+    out.print(f"matmul {cal.cube_flops / 1e9:.1f} GFLOP/s · add {cal.vector_flops / 1e9:.2f} GFLOP/s · "
+              f"{cal.memory_bytes_per_s / 1e9:.1f} GB/s · launch {tgt.launch.matmul_s * 1e6:.1f}/"
+              f"{tgt.launch.other_s * 1e6:.1f} us · gloo {tgt.intra_node.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
+              f"α {tgt.intra_node.latency_s * 1e6:.0f} us, collective {tgt.launch.collective_s * 1e6:.0f} us")
+    out.print(f"calibrated target written to {output}")
+
+
 def main() -> None:
     """Entry point: run the app, mapping moeplan's errors to one line and exit 2 (bad input) or 3 (infeasible).
 

@@ -1,0 +1,271 @@
+"""``moeplan calibrate --target cpu``: measure this machine and write a calibrated CPU target (DESIGN §5, §7).
+
+Measured with one thread (each emulated device is one process with ``OMP_NUM_THREADS=1``), fp32, best of a few
+repeats after a warm-up (the median is used for the gloo figures):
+
+- ``cube_flops``: ``2·n³ / t`` of an ``n×n×n`` matmul (the largest of ``MATMUL_SIZES``), an achieved rate;
+- ``vector_flops``: ``N / t`` of an ``N``-element add; ``hbm_bandwidth_bytes_per_s`` (and the host copy rate):
+  ``3·4·N / t`` of that add (two reads, one write);
+- ``launch.matmul_s`` / ``launch.other_s``: the time per kernel of a chain of ``CHAIN`` tiny (8×8) matmuls / 8-element
+  multiplies run forward and backward (eager dispatch, autograd recording and the autograd engine: what a training
+  step pays per kernel; a matmul with a weight is 3 kernels: Y, dX, dW; a multiply by a constant 2: Y, dX);
+- gloo α–β between 2 local ranks: ``t_p2p(S)`` (half a ping-pong) and ``t_ar(S)`` (all-reduce) for message sizes
+  up to 16 MiB. The comm model (cost_models/comm.py) has ``p2p = S/B + α + L`` and 2-rank ``all_reduce = S/B + 2α
+  + L`` (L = ``launch.collective_s``), so from the smallest message ``α = t_ar − t_p2p`` and ``L = 2·t_p2p −
+  t_ar`` (each at least 0), and ``B`` is the slope of ``t_ar`` over the message sizes ≥ 1 MiB (least squares).
+
+Optionally (``fit_model``) the launch costs are then scaled by one factor ``k`` fitted to a measured single-process
+training step of that model (``global_batch`` sequences in micro-batches of 1, AdamW): the compiler's prediction for
+that 1-device layout is linear in ``k`` (``T(k) = T(0) + k·(T(1) − T(0))``), so ``k = (T_measured − T(0)) /
+(T(1) − T(0))``. This absorbs what the per-IR-op launch count misses (one traced op is often several eager kernels)
+for models of that kind; it is a fit, reported as such.
+
+The file keeps the base target's other fields (node size, memory), sets every efficiency to 1 (the figures are
+achieved rates) and is written atomically; ``moeplan compile ... --target FILE`` loads it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+import yaml
+
+from moeplan.spec import ModelSpec
+from moeplan.targets import Efficiency, LaunchCost, Link, Target, load_target
+
+MATMUL_SIZES = (128, 256, 512)
+ADD_ELEMENTS = 1 << 22
+MESSAGE_BYTES = (4, 1 << 20, 1 << 22, 1 << 24)
+CHAIN = 400
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured rates and overheads of this machine (units in the names)."""
+
+    matmul_flops: dict[int, float]
+    vector_flops: float
+    memory_bytes_per_s: float
+    launch_matmul_s: float
+    launch_other_s: float
+    p2p_s: dict[int, float]
+    all_reduce_s: dict[int, float]
+
+    @property
+    def cube_flops(self) -> float:
+        return self.matmul_flops[max(self.matmul_flops)]
+
+    def comm_link(self) -> tuple[Link, float]:
+        """(α–β link, launch.collective_s) from the gloo figures (see the module docstring)."""
+        small = min(self.all_reduce_s)
+        alpha = max(0.0, self.all_reduce_s[small] - self.p2p_s[small])
+        launch = max(0.0, 2 * self.p2p_s[small] - self.all_reduce_s[small])
+        big = [(s, t) for s, t in self.all_reduce_s.items() if s >= 1 << 20]
+        mean_s = statistics.fmean(s for s, _ in big)
+        mean_t = statistics.fmean(t for _, t in big)
+        slope = sum((s - mean_s) * (t - mean_t) for s, t in big) / sum((s - mean_s) ** 2 for s, _ in big)
+        return Link(bandwidth_bytes_per_s=1.0 / max(slope, 1e-12), latency_s=alpha), launch
+
+
+def _best_s(fn: Callable[[], object], *, repeats: int, inner: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best
+
+
+def measure_compute() -> tuple[dict[int, float], float, float, float, float]:
+    """(matmul FLOP/s by size, vector FLOP/s, memory bytes/s, launch matmul s, launch other s), one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        matmul = {}
+        for n in MATMUL_SIZES:
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            matmul[n] = 2 * n ** 3 / _best_s(lambda: a @ b, repeats=5, inner=max(1, 2 ** 24 // n ** 3))
+        x, y = torch.randn(ADD_ELEMENTS), torch.randn(ADD_ELEMENTS)
+        add_s = _best_s(lambda: x + y, repeats=5, inner=3)
+        mm_s = _best_s(_matmul_chain, repeats=5, inner=1) / (3 * CHAIN)
+        mul_s = _best_s(_mul_chain, repeats=5, inner=1) / (2 * CHAIN)
+    finally:
+        torch.set_num_threads(threads)
+    return matmul, ADD_ELEMENTS / add_s, 3 * 4 * ADD_ELEMENTS / add_s, mm_s, mul_s
+
+
+def _matmul_chain() -> None:
+    weight, y = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    for _ in range(CHAIN):
+        y = y @ weight
+    y.sum().backward()
+
+
+def _mul_chain() -> None:
+    y = torch.randn(8, requires_grad=True)
+    for _ in range(CHAIN):
+        y = y * 1.0001
+    y.sum().backward()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank: int, port: int, out: str) -> None:
+    """One of the 2 benchmark ranks: median p2p (half ping-pong) and all-reduce seconds per message size."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    result: dict[str, dict[int, float]] = {"p2p": {}, "all_reduce": {}}
+    for size in MESSAGE_BYTES:
+        buf = torch.zeros(max(1, size // 4))
+        pings, reduces = [], []
+        for _ in range(7 if size < 1 << 22 else 3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            pings.append((time.perf_counter() - t0) / 2)
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            reduces.append(time.perf_counter() - t0)
+        result["p2p"][size] = statistics.median(pings)
+        result["all_reduce"][size] = statistics.median(reduces)
+    if rank == 0:
+        Path(out).write_text(yaml.safe_dump(result))
+    dist.destroy_process_group()
+
+
+def measure_gloo() -> tuple[dict[int, float], dict[int, float]]:
+    """(p2p seconds, all-reduce seconds) by message bytes between 2 local gloo ranks."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="moeplan-calibrate-") as tmp:
+        out = os.path.join(tmp, "gloo.yaml")
+        mp.spawn(_gloo_rank, args=(_free_port(), out), nprocs=2, join=True)
+        data = yaml.safe_load(Path(out).read_text())
+    return data["p2p"], data["all_reduce"]
+
+
+def calibrate() -> Calibration:
+    matmul, vector, memory, mm_s, mul_s = measure_compute()
+    p2p, reduce = measure_gloo()
+    return Calibration(matmul_flops=matmul, vector_flops=vector, memory_bytes_per_s=memory, launch_matmul_s=mm_s,
+                       launch_other_s=mul_s, p2p_s=p2p, all_reduce_s=reduce)
+
+
+def calibrated_target(base: Target, cal: Calibration, *, name: str, launch_scale: float = 1.0) -> Target:
+    """``base`` with the measured figures (every efficiency 1: they are achieved rates); the kernel launch costs
+    times ``launch_scale`` (see :func:`fit_launch_scale`)."""
+    link, collective_s = cal.comm_link()
+    return base.model_copy(update=dict(
+        name=name, cube_flops=cal.cube_flops, vector_flops=cal.vector_flops,
+        hbm_bandwidth_bytes_per_s=cal.memory_bytes_per_s, host_bandwidth_bytes_per_s=cal.memory_bytes_per_s,
+        intra_node=link, inter_node=link, efficiency=Efficiency(compute=1.0, memory=1.0, comm=1.0),
+        launch=LaunchCost(matmul_s=cal.launch_matmul_s * launch_scale, other_s=cal.launch_other_s * launch_scale,
+                          collective_s=collective_s),
+        variant=None))
+
+
+@dataclass(frozen=True)
+class LaunchFit:
+    """The fitted launch scale ``k`` and its inputs: measured and predicted (k = 0, k = 1) step seconds."""
+
+    scale: float
+    measured_step_s: float
+    predicted_step_s_at_0: float
+    predicted_step_s_at_1: float
+
+
+def measure_model_step_s(spec: ModelSpec, *, steps: int = 4) -> float:
+    """Median seconds of a single-process training step of ``spec`` (micro-batches of 1 sequence, AdamW), one
+    thread, random tokens."""
+    from moeplan.models import MoEModel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = MoEModel(spec, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, spec.vocab_size, (spec.global_batch, spec.seq_len + 1), generator=gen)
+        times = []
+        for _ in range(steps + 1):
+            t0 = time.perf_counter()
+            for row in tokens.split(1):
+                (model(row[:, :-1], row[:, 1:]) / spec.global_batch).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times[1:])
+
+
+def fit_launch_scale(spec: ModelSpec, target: Target) -> LaunchFit:
+    """Fit the launch-cost scale of ``target`` to a measured 1-device step of ``spec`` (module docstring)."""
+    from moeplan.compile import compile_model
+    from moeplan.search import Fixed
+
+    fixed = Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len, tp=1, pp=1, vpp=1, ep=1, etp=1, cp=1,
+                  micro_batch=1)
+
+    def predicted(scale: float) -> float:
+        launch = target.launch.model_copy(update=dict(matmul_s=target.launch.matmul_s * scale,
+                                                      other_s=target.launch.other_s * scale))
+        plan = compile_model(spec=spec, target=target.model_copy(update=dict(launch=launch)), num_devices=1,
+                             fixed=fixed, workers=1, candidates=1).plan
+        return plan.prediction.step_time_s
+
+    measured, at0, at1 = measure_model_step_s(spec), predicted(0.0), predicted(1.0)
+    return LaunchFit(scale=max(0.0, (measured - at0) / (at1 - at0)), measured_step_s=measured,
+                     predicted_step_s_at_0=at0, predicted_step_s_at_1=at1)
+
+
+def write_target(target: Target, cal: Calibration, path: str | Path, *, fit: LaunchFit | None = None,
+                 fit_model: str = "") -> None:
+    """Write ``target`` as YAML atomically, with the raw measurements (and the launch fit) as a comment header."""
+    path = Path(path)
+    lines = ["# Calibrated by `moeplan calibrate` on this machine (one thread per rank, fp32). Raw figures:",
+             *(f"#   matmul {n}x{n}x{n}: {f / 1e9:.2f} GFLOP/s" for n, f in sorted(cal.matmul_flops.items())),
+             f"#   add of {ADD_ELEMENTS} fp32: {cal.vector_flops / 1e9:.2f} GFLOP/s, "
+             f"{cal.memory_bytes_per_s / 1e9:.2f} GB/s",
+             f"#   tiny op with autograd: matmul {cal.launch_matmul_s * 1e6:.2f} us, mul {cal.launch_other_s * 1e6:.2f} us",
+             *(f"#   gloo 2 ranks {s} B: p2p {cal.p2p_s[s] * 1e6:.1f} us, all-reduce {cal.all_reduce_s[s] * 1e6:.1f} us"
+               for s in sorted(cal.p2p_s))]
+    if fit is not None:
+        lines.append(f"# launch costs x {fit.scale:.2f}, fitted to a measured 1-device {fit_model} step of "
+                     f"{fit.measured_step_s * 1e3:.1f} ms (predicted {fit.predicted_step_s_at_0 * 1e3:.1f} ms "
+                     f"without launch costs, {fit.predicted_step_s_at_1 * 1e3:.1f} ms with the measured ones)")
+    data = target.model_dump(mode="json", exclude={"variant"})
+    text = "\n".join(lines) + "\n" + yaml.safe_dump(data, sort_keys=False)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    load_target(str(path))  # the compiler must be able to read it back

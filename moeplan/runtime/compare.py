@@ -1,0 +1,197 @@
+"""Predicted vs measured: a plan's prediction against a run's metrics (``moeplan compare PLAN run.jsonl``).
+
+Predicted figures come from the plan only: ``prediction`` (step time, exposed communication per class),
+``sharding.layers`` (per layer kind and micro-batch on one device: forward, backward input/weight seconds, in-layer
+collectives with their bytes and seconds, saved bytes), ``sharding.p2p``, ``memory.ranks`` (activation bytes and
+recompute mode per PP rank) and the schedule (number of micro-batches and sends). Per PP rank and step:
+
+- ``F`` = M · Σ over the rank's layers (fwd_s + forward collectives); ``B`` = M · Σ (bwd_input_s + bwd_weight_s +
+  backward collectives), plus fwd_s under full recompute (selective recompute seconds are not in the plan);
+- ``OPTIMIZER`` = ``prediction.exposed_comm_s["dp"]`` (gradient reduce-scatter, parameter all-gather, Adam update:
+  the tail after the last backward, as ``passes/simulate.py`` prices it);
+- ``comm pp`` = ``prediction.exposed_comm_s["pp"]``, the simulated wait for p2p transfers; the measured figure is the
+  time spent in RECV actions, which also holds the wait for the producing stage (pipeline bubble);
+- bytes per class: in-layer collectives M · Σ bytes; ``pp`` the p2p message bytes times the rank's SENDs; ``dp``
+  (when the experts reduce over the same group as the dense parameters, ep = 1) the runtime's fp32 reduce-scatter
+  input and all-gather shard of the rank's parameters, ``4·P·(1 + 1/(dp·cp))``;
+- peak saved-activation bytes: ``memory.ranks[r].activation_bytes``.
+
+Byte figures of the plan assume bf16 activations (``passes/shard.py`` ACT_BYTES = 2); the runtime trains in fp32,
+so predicted activation and communication bytes are scaled by ``RUNTIME_BYTES / PLAN_BYTES``.
+
+Measured figures: the median over steps ``first_step..N`` (default 5, or every step after the first when the run is
+shorter) of each step's value; per-PP-rank figures average the ranks of that PP rank (they are replicas). A run with
+``--meter-every K > 1`` has unmetered steps: times (step, actions, p2p, optimizer) come from those, which the
+saved-tensor hooks and the collective meter did not slow down, and the saved-activation peaks and in-layer
+collectives from the metered ones.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from moeplan.cost_models.timeline import parse_action
+from moeplan.errors import PlanError
+from moeplan.ir import kind_of
+from moeplan.plan import Plan
+from moeplan.runtime.metrics import StepRecord
+
+PLAN_BYTES = 2
+RUNTIME_BYTES = 4
+IN_LAYER = ("tp", "ep", "cp")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One compared quantity: ``unit`` is ``s`` or ``bytes``; ``predicted`` None when the plan does not say."""
+
+    quantity: str
+    unit: str
+    predicted: float | None
+    measured: float
+
+    @property
+    def ratio(self) -> float | None:
+        return None if not self.predicted else self.measured / self.predicted
+
+
+def read_records(path: str | Path) -> list[StepRecord]:
+    """The step records of a metrics JSONL file; PlanError (one line) for a missing or malformed file."""
+    path = Path(path)
+    try:
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        records = [StepRecord.from_json(ln) for ln in lines]
+    except OSError as e:
+        raise PlanError(f"metrics={str(path)!r}: cannot read ({e.strerror})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise PlanError(f"metrics={str(path)!r}: not a moeplan run metrics file ({e})") from None
+    if not records:
+        raise PlanError(f"metrics={str(path)!r}: holds no steps")
+    return records
+
+
+def _window(records: list[StepRecord], first_step: int) -> list[StepRecord]:
+    chosen = [r for r in records if r.step >= first_step]
+    return chosen or records[1:] or records
+
+
+def _rank_layers(plan: Plan, pp_rank: int) -> list[str]:
+    return [n for chunk in plan.stages.chunks[pp_rank] for n in chunk]
+
+
+def predicted_rank(plan: Plan, pp_rank: int) -> dict[str, float]:
+    """Predicted per-step seconds (F, B, OPTIMIZER, comm:<class>) and bytes (bytes:<class>) of one PP rank."""
+    spec, m = plan.model.spec, plan.layout.num_microbatches
+    full = plan.memory.ranks[pp_rank].recompute == "full"
+    scale = RUNTIME_BYTES / PLAN_BYTES
+    out: dict[str, float] = defaultdict(float)
+    for name in _rank_layers(plan, pp_rank):
+        cost = plan.sharding.layers[kind_of(spec, name).value]
+        out["F"] += m * cost.fwd_s
+        out["B"] += m * (cost.bwd_input_s + cost.bwd_weight_s + (cost.fwd_s if full else 0.0))
+        for c in cost.collectives:
+            out["F" if c.phase == "fwd" else "B"] += m * c.time_s
+            out[f"comm:{c.comm_class}"] += m * c.time_s
+            out[f"bytes:{c.comm_class}"] += m * c.bytes * scale
+    sends = sum(1 for a in plan.schedule.actions[pp_rank] if parse_action(a).kind.startswith("SEND"))
+    out["bytes:pp"] += sends * plan.sharding.p2p.bytes * scale
+    if plan.layout.pp > 1:
+        out["comm:pp"] = plan.prediction.exposed_comm_s.get("pp", 0.0)
+    group = plan.layout.dp * plan.layout.cp
+    if group > 1 and plan.layout.ep == 1:
+        params = sum(plan.sharding.layers[kind_of(spec, n).value].params for n in _rank_layers(plan, pp_rank))
+        out["bytes:dp"] = RUNTIME_BYTES * params * (1 + 1 / group)
+    out["OPTIMIZER"] = plan.prediction.exposed_comm_s.get("dp", 0.0)
+    return dict(out)
+
+
+def measured_rank(timed: list[StepRecord], metered: list[StepRecord], pp_rank: int) -> dict[str, float]:
+    """Median of the mean over the ranks of ``pp_rank`` of each per-step figure: times over ``timed``, the
+    saved-activation peak and the in-layer collective seconds over ``metered``."""
+    out = _median_rank(timed, pp_rank)
+    for key, value in _median_rank(metered, pp_rank).items():
+        if key == "peak_saved_bytes" or (key.startswith("comm:") and key[5:] in IN_LAYER):
+            out[key] = value
+    return out
+
+
+def _median_rank(records: list[StepRecord], pp_rank: int) -> dict[str, float]:
+    series: dict[str, list[float]] = defaultdict(list)
+    for rec in records:
+        ranks = [r for r in rec.ranks if r.pp_rank == pp_rank]
+        keys = {k for r in ranks for k in r.action_s} | {f"comm:{k}" for r in ranks for k in r.comm_s} \
+            | {f"bytes:{k}" for r in ranks for k in r.comm_bytes} | {"peak_saved_bytes"}
+        for key in keys:
+            values = [_value(r, key) for r in ranks]
+            series[key].append(sum(values) / len(values))
+    return {k: statistics.median(v) for k, v in series.items()}
+
+
+def _value(rank, key: str) -> float:
+    if key == "peak_saved_bytes":
+        return float(rank.peak_saved_bytes)
+    if key.startswith("comm:"):
+        return rank.comm_s.get(key[5:], 0.0)
+    if key.startswith("bytes:"):
+        return float(rank.comm_bytes.get(key[6:], 0))
+    return rank.action_s.get(key, 0.0)
+
+
+def compare(plan: Plan, records: list[StepRecord], *, first_step: int = 5) -> list[Row]:
+    """All compared rows: step time and tokens/s, then per PP rank actions, comm seconds and bytes, peak saved
+    activation bytes. Raises PlanError when the records come from another layout (rank count differs)."""
+    if any(len(r.ranks) != plan.layout.num_devices for r in records):
+        raise PlanError(f"metrics: the run has {len(records[0].ranks)} ranks, the plan {plan.layout.num_devices}")
+    window = _window(records, first_step)
+    timed = [r for r in window if not r.metered] or window
+    metered = [r for r in window if r.metered] or [r for r in records if r.metered] or window
+    rows = [Row("step time", "s", plan.prediction.step_time_s, statistics.median(r.step_time_s for r in timed)),
+            Row("tokens/s", "tokens/s", plan.prediction.tokens_per_s,
+                statistics.median(r.tokens_per_s for r in timed))]
+    for pp_rank in range(plan.layout.pp):
+        pred, meas = predicted_rank(plan, pp_rank), measured_rank(timed, metered, pp_rank)
+        tag = f"pp{pp_rank}"
+        for kind in ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_WAIT", "OPTIMIZER"):
+            if kind in pred or kind in meas:
+                rows.append(Row(f"{tag} {kind}", "s", pred.get(kind), meas.get(kind, 0.0)))
+        for cls in (*IN_LAYER, "pp", "dp"):
+            if f"comm:{cls}" in pred or f"comm:{cls}" in meas:
+                rows.append(Row(f"{tag} comm {cls}", "s", pred.get(f"comm:{cls}"), meas.get(f"comm:{cls}", 0.0)))
+        for cls in (*IN_LAYER, "pp", "dp"):
+            if f"bytes:{cls}" in pred or f"bytes:{cls}" in meas:
+                rows.append(Row(f"{tag} bytes {cls}", "bytes", pred.get(f"bytes:{cls}"),
+                                meas.get(f"bytes:{cls}", 0.0)))
+        rows.append(Row(f"{tag} peak saved activations", "bytes",
+                        plan.memory.ranks[pp_rank].activation_bytes * RUNTIME_BYTES / PLAN_BYTES,
+                        meas.get("peak_saved_bytes", 0.0)))
+    return [r for r in rows if r.measured or r.predicted]
+
+
+def rows_json(rows: list[Row]) -> list[dict]:
+    return [{"quantity": r.quantity, "unit": r.unit, "predicted": r.predicted, "measured": r.measured,
+             "ratio": r.ratio} for r in rows]
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    if unit == "s":
+        return f"{value * 1e3:,.2f} ms"
+    if unit == "bytes":
+        return f"{value / 2**20:,.3f} MiB"
+    return f"{value:,.0f}"
+
+
+def render_rows(console, rows: list[Row], *, title: str) -> None:
+    """A rich table: quantity, predicted, measured, measured / predicted."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("quantity", "predicted", "measured", "measured/predicted"):
+        table.add_column(col, justify="left" if col == "quantity" else "right")
+    for r in rows:
+        table.add_row(r.quantity, _fmt(r.predicted, r.unit), _fmt(r.measured, r.unit),
+                      "—" if r.ratio is None else f"{r.ratio:.2f}")
+    console.print(table)

@@ -1,0 +1,380 @@
+"""The action-list interpreter: runs this rank's ``plan.schedule.actions`` exactly as written (DESIGN §7).
+
+Actions (torch.distributed.pipelining notation, parsed by ``cost_models.timeline.parse_action``):
+
+- ``{s}F{m}``: forward of stage ``s``'s layers for micro-batch ``m``; autograd keeps what backward needs, or what
+  the PP rank's recompute mode leaves (:func:`recompute_call`). The last stage's loss is scaled by
+  ``1/num_microbatches`` so the per-micro-batch gradients accumulate into the gradient of the mean loss.
+- ``{s}B{m}``: backward of that forward (the loss, or the stage outputs with the gradients received for them);
+  parameter gradients accumulate across micro-batches.
+- ``{s}I{m}`` / ``{s}W{m}``: backward split into the input-gradient part (``torch.autograd.grad`` w.r.t. the stage
+  inputs, graph retained) and the weight-gradient part (``torch.autograd.backward`` w.r.t. the parameters). Eager
+  PyTorch recomputes the shared part of the backward graph in W, so I+W costs more than B (the zero-bubble
+  schedules of torch.distributed.pipelining split the graph instead).
+- ``{s}SEND_F{m}`` / ``{s}SEND_B{m}``: ``isend`` of the stage's outputs to stage s+1 / of its input gradients to
+  stage s−1 (contiguous tensors); completed at the end of the step.
+- ``{s}RECV_F{m}`` / ``{s}RECV_B{m}``: ``irecv`` of the inputs of stage s / of the gradients of its outputs, waited
+  for at once (the schedule places each RECV right before its consumer, as torch's ``_PipelineScheduleRuntime``).
+
+What crosses a stage boundary (:class:`CarryFields`) follows from the layers before it: the main hidden state until
+``head``; the MTP hidden state from ``mtp.0`` until the last ``mtp_head``; the running MTP loss after the first
+``mtp_head``. Shapes come from the plan: hidden states ``[micro_batch, seq_len/(cp·tp_sp), hidden]`` (tp_sp = tp
+with sequence parallelism, else 1), the loss ``[1]``. Neighbour stages on the same rank hand over in memory.
+
+Recompute (``plan.memory.ranks[pp_rank].recompute``) through ``torch.utils.checkpoint`` (non-reentrant), per layer
+(the embedding and empty layers excepted): ``full`` keeps only each layer's inputs (Chen et al. arXiv 1604.06174);
+``selective`` runs each layer under a selective-checkpoint policy that saves the outputs of matmuls, embedding
+lookups and routing/dispatch index ops and recomputes the rest — norms, activation functions, elementwise ops and
+everything inside ``scaled_dot_product_attention`` (Korthikanti et al. arXiv 2205.05198 §5; MindSpeed
+``--recompute-norm`` / ``--recompute-activation-function``), the op classes ``passes/shard.py`` prices as
+recomputed. Collectives inside a region are re-issued by the recompute (in-place c10d ops cannot be cached), on
+every rank of the group at the same schedule point.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Callable, Literal, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from moeplan.cost_models.timeline import parse_action
+from moeplan.errors import PlanError
+from moeplan.ir import LayerKind, kind_of
+from moeplan.models import DEFAULT_MTP_WEIGHT
+from moeplan.plan import Plan
+from moeplan.runtime.data import MicroBatch
+from moeplan.runtime.metrics import CommMeter, CommTotals, SavedActivationMeter
+
+
+@dataclass(frozen=True)
+class CarryFields:
+    """Which tensors cross a stage boundary (see the module docstring)."""
+
+    hidden: bool = False
+    mtp_hidden: bool = False
+    loss: bool = False
+
+
+@dataclass(frozen=True)
+class Carry:
+    """The running state between layers: main hidden state, MTP hidden state, weighted MTP loss so far."""
+
+    hidden: torch.Tensor | None = None
+    mtp_hidden: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.hidden, self.mtp_hidden, self.loss) if t is not None)
+
+    @staticmethod
+    def from_tensors(fields: CarryFields, tensors: Sequence[torch.Tensor]) -> "Carry":
+        it = iter(tensors)
+        return Carry(hidden=next(it) if fields.hidden else None, mtp_hidden=next(it) if fields.mtp_hidden else None,
+                     loss=next(it) if fields.loss else None)
+
+
+def fields_after(plan: Plan, names: Sequence[str]) -> CarryFields:
+    """The carry fields after running ``names`` (every layer before a boundary, in pipeline order)."""
+    spec = plan.model.spec
+    kinds = [kind_of(spec, n) for n in names]
+    num_mtp = spec.num_mtp_layers
+    heads_done = kinds.count(LayerKind.MTP_HEAD)
+    return CarryFields(hidden=LayerKind.EMBEDDING in kinds and LayerKind.HEAD not in kinds,
+                       mtp_hidden=LayerKind.MTP in kinds and heads_done < num_mtp,
+                       loss=heads_done > 0 or LayerKind.HEAD in kinds)
+
+
+def stage_layers(plan: Plan, stage: int) -> list[str]:
+    """Layer names of pipeline stage ``stage`` (chunk ``stage // pp`` of PP rank ``stage % pp``)."""
+    pp = plan.layout.pp
+    return list(plan.stages.chunks[stage % pp][stage // pp])
+
+
+def boundary_shapes(plan: Plan, stage: int) -> list[tuple[int, ...]]:
+    """Shapes of the tensors stage ``stage`` passes to stage ``stage + 1``."""
+    lay = plan.layout
+    names = [n for s in range(stage + 1) for n in stage_layers(plan, s)]
+    f = fields_after(plan, names)
+    sp = lay.tp if lay.sequence_parallel else 1
+    hidden = (lay.micro_batch, lay.seq_len // (lay.cp * sp), plan.model.spec.hidden_size)
+    return [hidden] * (int(f.hidden) + int(f.mtp_hidden)) + [(1,)] * int(f.loss)
+
+
+LayerWrapper = Callable[[str, Callable[..., torch.Tensor], tuple], torch.Tensor]
+
+
+def _plain(name: str, fn: Callable[..., torch.Tensor], args: tuple) -> torch.Tensor:
+    return fn(*args)
+
+
+def run_layer(name: str, kind: LayerKind, module: nn.Module, carry: Carry, mb: MicroBatch, *, num_mtp: int,
+              mtp_weight: float, call: LayerWrapper = _plain) -> Carry:
+    """Apply one layer to the carry (interfaces of moeplan.models.model); ``call`` wraps the module call
+    (recompute). MTP losses enter the running loss weighted ``mtp_weight / num_mtp`` (DeepSeek-V3 eq. 25)."""
+    if kind == LayerKind.EMBEDDING:
+        return Carry(hidden=call(name, module, (mb.tokens,)))
+    if kind in (LayerKind.DENSE, LayerKind.MOE):
+        return replace(carry, hidden=call(name, module, (carry.hidden,)))
+    if kind == LayerKind.MTP:
+        prev = carry.mtp_hidden if carry.mtp_hidden is not None else carry.hidden
+        return replace(carry, mtp_hidden=call(name, module, (prev, mb.tokens)))
+    if kind == LayerKind.MTP_HEAD:
+        term = call(name, module, (carry.mtp_hidden, mb.labels)) * (mtp_weight / num_mtp)
+        index = int(name.rsplit(".", 1)[1])
+        return Carry(hidden=carry.hidden, mtp_hidden=carry.mtp_hidden if index + 1 < num_mtp else None,
+                     loss=term if carry.loss is None else carry.loss + term)
+    if kind == LayerKind.HEAD:
+        loss = call(name, module, (carry.hidden, mb.labels))
+        return Carry(mtp_hidden=carry.mtp_hidden, loss=loss if carry.loss is None else loss + carry.loss)
+    return carry
+
+
+# ---- recompute -----------------------------------------------------------------------------------------------------
+_aten = torch.ops.aten
+#: ops whose outputs selective recompute keeps (outside attention): matmuls, embedding lookups, routing and dispatch
+SAVED_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+                       _aten.embedding.default, _aten.topk.default, _aten.sort.default, _aten.sort.stable,
+                       _aten.argsort.default, _aten.argsort.stable, _aten.index_select.default,
+                       _aten.gather.default, _aten.index_add.default, _aten.scatter_add.default,
+                       _aten._grouped_mm.default})
+
+
+class _AttentionScope(TorchFunctionMode):
+    """Marks the ops run inside ``F.scaled_dot_product_attention`` (``depth > 0``) for the selective policy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        self.depth += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.depth -= 1
+
+
+class _ReleaseOnExit:
+    """Wraps the recompute context of a selective region: when the region has been recomputed (in backward), the
+    outputs the policy kept are released from the meter."""
+
+    def __init__(self, inner, meter: SavedActivationMeter, record: list[int]) -> None:
+        self.inner, self.meter, self.record = inner, meter, record
+
+    def __enter__(self):
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        self.meter.drop(self.record)
+        return self.inner.__exit__(*exc)
+
+
+def _selective_contexts(meter: SavedActivationMeter, scope: _AttentionScope):
+    record: list[int] = []
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if scope.depth == 0 and op in SAVED_OPS:
+            out = ctx.op_output
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                meter.keep(t, record)
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    return forward, _ReleaseOnExit(recompute, meter, record)
+
+
+def recompute_call(mode: Literal["none", "selective", "full"], meter: SavedActivationMeter) -> LayerWrapper:
+    """The layer-call wrapper of a recompute mode (see the module docstring)."""
+    if mode == "none":
+        return _plain
+    scope = _AttentionScope()
+    context_fn = functools.partial(_selective_contexts, meter, scope)
+
+    def call(name: str, fn: Callable[..., torch.Tensor], args: tuple) -> torch.Tensor:
+        if name == "embedding" or name.startswith("empty."):
+            return fn(*args)
+        if mode == "full":
+            return checkpoint(fn, *args, use_reentrant=False)
+        with scope:
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
+
+    return call
+
+
+@dataclass
+class _Forward:
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+
+
+class PipelineExecutor:
+    """Runs one PP rank's action list for one step.
+
+    ``modules[stage]`` maps layer names to modules (moeplan.runtime.build); ``pp_ranks`` the global rank of every
+    PP rank of this pipeline; ``localize`` turns a micro-batch of full sequences into what this rank's layers take
+    (identity for moeplan.runtime.build, whose layers take whole micro-batches); ``call`` wraps each layer call
+    (:func:`recompute_call`); ``comm_classes`` maps the names of this rank's in-layer process groups (TP, CP,
+    EP...) to comm classes for :class:`CommMeter`; empty when it has none, which skips the meter.
+    """
+
+    def __init__(self, plan: Plan, *, pp_rank: int, pp_ranks: Sequence[int], modules: Mapping[int, nn.ModuleDict],
+                 meter: SavedActivationMeter, comm_classes: Mapping[str, str],
+                 localize: Callable[[MicroBatch], MicroBatch], call: LayerWrapper = _plain,
+                 mtp_weight: float = DEFAULT_MTP_WEIGHT, device: torch.device = torch.device("cpu")) -> None:
+        self.plan, self.pp_rank, self.pp_ranks, self.device = plan, pp_rank, tuple(pp_ranks), device
+        self.modules, self.meter, self.localize, self.call = modules, meter, localize, call
+        self.comm_classes, self.mtp_weight = dict(comm_classes), mtp_weight
+        self.actions = [parse_action(a) for a in plan.schedule.actions[pp_rank]]
+        self.num_stages = plan.layout.pp * plan.layout.vpp
+        self.layers = {s: [(n, kind_of(plan.model.spec, n)) for n in stage_layers(plan, s)]
+                       for s in range(self.num_stages) if s % plan.layout.pp == pp_rank}
+        missing = set(self.layers) - set(modules)
+        if missing:
+            raise PlanError(f"stages: pp rank {pp_rank} holds stages {sorted(self.layers)}, modules built for "
+                            f"{sorted(modules)}")
+        self.shapes = {s: boundary_shapes(plan, s) for s in range(self.num_stages - 1)}
+        self.in_fields = {s: fields_after(plan, [n for p in range(s) for n in stage_layers(plan, p)])
+                          for s in self.layers}
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    def run_step(self, microbatches: Sequence[MicroBatch], comm: CommTotals, *,
+                 metered: bool = True) -> tuple[float, Counter]:
+        """Execute the action list once. Returns (sum over micro-batches of the unscaled loss on the last stage,
+        or 0 elsewhere; seconds per action kind). p2p bytes/seconds go to ``comm`` under ``pp``; when ``metered``,
+        the in-layer collectives by class too, and the saved-activation meter runs (both slow a step down)."""
+        self._metered = metered
+        self._mbs = [self.localize(mb) for mb in microbatches]
+        self._fwd: dict[tuple[int, int], _Forward] = {}
+        self._in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._grad_out: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._grad_in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._loss_sum, times = 0.0, Counter()
+        self._comm = comm
+        for a in self.actions:
+            t0 = time.perf_counter()
+            self._dispatch(a.kind, a.stage, a.microbatch)
+            times[a.kind] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for work, _ in self._sends:
+            work.wait()
+        times["SEND_WAIT"] += time.perf_counter() - t0
+        leftover = [k for k in self._fwd]
+        assert not leftover, f"forwards without backward: {leftover}"
+        return self._loss_sum, times
+
+    def _comm_meter(self) -> CommMeter | contextlib.nullcontext:
+        """The in-layer collective meter, or nothing (unmetered step, or no in-layer groups on this rank)."""
+        if self._metered and self.comm_classes:
+            return CommMeter(self.comm_classes, self._comm)
+        return contextlib.nullcontext()
+
+    def _dispatch(self, kind: str, stage: int, mb: int) -> None:
+        if kind == "F":
+            with self._comm_meter(), self.meter.hooks() if self._metered else contextlib.nullcontext():
+                self._forward(stage, mb)
+        elif kind in ("B", "I", "W"):
+            with self._comm_meter():
+                self._backward(stage, mb, kind)
+        elif kind == "SEND_F":
+            self._send(self._fwd[(stage, mb)].outputs, stage + 1, stage, mb, 0)
+        elif kind == "SEND_B":
+            self._send(self._grad_in.pop((stage, mb)), stage - 1, stage, mb, 1)
+        elif kind == "RECV_F":
+            self._in[(stage, mb)] = self._recv(self.shapes[stage - 1], stage - 1, stage, mb, 0)
+        elif kind == "RECV_B":
+            self._grad_out[(stage, mb)] = self._recv(self.shapes[stage], stage + 1, stage, mb, 1)
+        else:
+            raise PlanError(f"schedule.actions[{self.pp_rank}]: action kind {kind!r} is not executable")
+
+    # ---- compute ----------------------------------------------------------------------------------------------
+    def _stage_inputs(self, stage: int, mb: int) -> tuple[torch.Tensor, ...]:
+        if stage == 0:
+            return ()
+        received = self._in.pop((stage, mb), None)
+        if received is None:
+            raise PlanError(f"schedule.actions[{self.pp_rank}]: {stage}F{mb} runs before its input arrived "
+                            f"(no {stage}RECV_F{mb} and stage {stage - 1} is not local)")
+        return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in received)
+
+    def _forward(self, stage: int, mb: int) -> None:
+        inputs = self._stage_inputs(stage, mb)
+        carry = Carry.from_tensors(self.in_fields[stage], inputs) if stage else Carry()
+        spec = self.plan.model.spec
+        for name, kind in self.layers[stage]:
+            carry = run_layer(name, kind, self.modules[stage][name], carry, self._mbs[mb],
+                              num_mtp=spec.num_mtp_layers, mtp_weight=self.mtp_weight, call=self.call)
+        if stage == self.num_stages - 1:
+            self._loss_sum += float(carry.loss.detach())
+            outputs = (carry.loss / self.plan.layout.num_microbatches,)
+        else:
+            outputs = tuple(t.reshape(1) if t.dim() == 0 else t for t in carry.tensors())
+        self._fwd[(stage, mb)] = _Forward(inputs=inputs, outputs=outputs)
+        if stage + 1 < self.num_stages and (stage + 1) % self.plan.layout.pp == self.pp_rank:
+            self._in[(stage + 1, mb)] = outputs  # same-rank neighbour: hand over in memory
+
+    def _backward(self, stage: int, mb: int, kind: str) -> None:
+        """B: full backward; I: input gradients only, graph kept for W; W: parameter gradients, graph freed."""
+        key, last = (stage, mb), stage == self.num_stages - 1
+        fwd = self._fwd[key] if kind == "I" else self._fwd.pop(key)
+        grads = (None,) if last else self._grad_out[key] if kind == "I" else self._grad_out.pop(key)
+        need = [t for t in fwd.inputs if t.requires_grad]
+        if kind == "I":
+            got = torch.autograd.grad(fwd.outputs, need, grads, retain_graph=True, allow_unused=True) if need else ()
+            self._store_input_grads(stage, mb, fwd.inputs, dict(zip(map(id, need), got)))
+        elif kind == "W":
+            params = {id(p): p for m in self.modules[stage].values() for p in m.parameters() if p.requires_grad}
+            torch.autograd.backward(fwd.outputs, grads, inputs=list(params.values()))
+        else:
+            torch.autograd.backward(fwd.outputs, grads)
+            self._store_input_grads(stage, mb, fwd.inputs, {id(t): t.grad for t in need})
+
+    def _store_input_grads(self, stage: int, mb: int, inputs: tuple[torch.Tensor, ...],
+                           grads: dict[int, torch.Tensor | None]) -> None:
+        if stage == 0:
+            return
+        out = tuple(grads.get(id(t)) if grads.get(id(t)) is not None else torch.zeros_like(t) for t in inputs)
+        if (stage - 1) % self.plan.layout.pp == self.pp_rank:
+            self._grad_out[(stage - 1, mb)] = out
+        else:
+            self._grad_in[(stage, mb)] = out
+
+    # ---- p2p --------------------------------------------------------------------------------------------------
+    def _tag(self, stage: int, mb: int, direction: int, index: int) -> int:
+        return ((mb * self.num_stages + stage) * 2 + direction) * 4 + index
+
+    def _peer(self, stage: int) -> int:
+        return self.pp_ranks[stage % self.plan.layout.pp]
+
+    def _send(self, tensors: Sequence[torch.Tensor], to_stage: int, stage: int, mb: int, direction: int) -> None:
+        # tag by the sending stage for F (receiver's stage − 1) and by the receiving stage for B (its stage)
+        tag_stage = stage if direction == 0 else to_stage
+        for i, t in enumerate(tensors):
+            buf = t.detach().contiguous()
+            self._sends.append((dist.isend(buf, self._peer(to_stage), tag=self._tag(tag_stage, mb, direction, i)),
+                                buf))
+            self._comm.add("pp", 0.0, buf.numel() * buf.element_size())
+
+    def _recv(self, shapes: Sequence[tuple[int, ...]], from_stage: int, stage: int, mb: int,
+              direction: int) -> tuple[torch.Tensor, ...]:
+        tag_stage = from_stage if direction == 0 else stage
+        bufs = tuple(torch.empty(s, device=self.device) for s in shapes)
+        t0 = time.perf_counter()
+        works = [dist.irecv(b, self._peer(from_stage), tag=self._tag(tag_stage, mb, direction, i))
+                 for i, b in enumerate(bufs)]
+        for w in works:
+            w.wait()
+        self._comm.add("pp", time.perf_counter() - t0, 0)
+        return bufs

@@ -1,0 +1,204 @@
+"""Launching a plan (DESIGN §7): checks before any process starts, local processes for the CPU emulator, the
+``torchrun`` command for a cluster.
+
+- :func:`check_runnable` refuses, with one line (PlanError), a plan the runtime cannot execute: a layout the
+  process groups cannot realise, an action list that is not a complete, matched pipeline schedule, an expert
+  placement that does not cover the experts, a device count other than the launched world, a target backend this
+  machine lacks. ``load_plan`` has already checked the schema version and the plan's consistency.
+- :func:`launch_local` starts ``num_devices`` processes of :mod:`moeplan.runtime.worker` on this machine with
+  torch.distributed's own elastic launcher (what ``torchrun --standalone`` runs: c10d rendezvous on localhost, no
+  restarts, ``OMP_NUM_THREADS=1`` per rank). If a rank dies (signal or exception), the agent stops the others and
+  :class:`RunFailed` names the first failed rank.
+- :func:`torchrun_command` is the command to run on every node for a ``cuda``/``npu`` target.
+
+Backends by target: ``cpu`` → gloo, ``cuda`` → nccl, ``npu`` → hccl (``torch_npu``, imported lazily; untested).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shlex
+import sys
+import tempfile
+import uuid
+from collections import Counter
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from moeplan.cost_models.timeline import parse_action
+from moeplan.errors import MoeplanError, PlanError
+from moeplan.plan import Plan
+from moeplan.runtime.groups import check_layout_for_runtime
+
+DIST_BACKEND = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class RunFailed(MoeplanError):
+    """A rank of a launched run failed; the message names the rank and why."""
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What ``moeplan run`` asks every rank to do; passed to the workers as command-line arguments."""
+
+    plan: str
+    steps: int
+    metrics: str | None = None
+    data: str | None = None
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    seed: int = 0
+    lr: float = 1e-3
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    meter_every: int = 1
+
+    def argv(self) -> list[str]:
+        out = [self.plan]
+        for f in fields(self)[1:]:
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                out += [f"--{f.name}"] if value else []
+            elif value is not None:
+                out += [f"--{f.name}", str(value)]
+        return out
+
+    @staticmethod
+    def parse(argv: list[str]) -> "RunRequest":
+        """Inverse of :meth:`argv`."""
+        convert = {"steps": int, "checkpoint_every": int, "seed": int, "lr": float, "timeout_s": float,
+                   "meter_every": int}
+        values: dict[str, object] = {"plan": argv[0]}
+        it = iter(argv[1:])
+        for flag in it:
+            name = flag[2:]
+            values[name] = True if name == "resume" else convert.get(name, str)(next(it))
+        return RunRequest(**values)
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun / an elastic agent (it then is one rank of the run)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def check_schedule(plan: Plan) -> None:
+    """Raise PlanError unless every PP rank runs F and B (or I then W) once per own stage and micro-batch, and
+    every SEND has the matching RECV on the neighbour stage's rank (and vice versa)."""
+    lay = plan.layout
+    num_stages = lay.pp * lay.vpp
+    counts: Counter = Counter()
+    for r, actions in enumerate(plan.schedule.actions):
+        for text in actions:
+            a = parse_action(text)
+            if a.kind not in ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"):
+                raise PlanError(f"schedule.actions[{r}]: {text!r} is not executable by the runtime")
+            counts[(a.kind, a.stage, a.microbatch)] += 1
+    for s in range(num_stages):
+        for m in range(lay.num_microbatches):
+            f, b, i, w = (counts[(k, s, m)] for k in ("F", "B", "I", "W"))
+            if f != 1 or not ((b == 1 and i == w == 0) or (b == 0 and i == w == 1)):
+                raise PlanError(f"schedule.actions[{s % lay.pp}]: stage {s} micro-batch {m} has {f} F, {b} B, "
+                                f"{i} I, {w} W; the runtime needs one F and one B (or one I and one W)")
+            remote = lay.pp > 1
+            for send, recv, peer in (("SEND_F", "RECV_F", s + 1), ("SEND_B", "RECV_B", s - 1)):
+                if not 0 <= peer < num_stages:
+                    continue
+                want = int(remote)
+                if counts[(send, s, m)] != want or counts[(recv, peer, m)] != want:
+                    raise PlanError(f"schedule.actions: {s}{send}{m} and {peer}{recv}{m} must each appear "
+                                    f"{want} time(s) (found {counts[(send, s, m)]} and {counts[(recv, peer, m)]})")
+
+
+def check_experts(plan: Plan) -> None:
+    """Raise PlanError unless ``experts.shards`` has one list per expert shard covering every expert once."""
+    spec, lay = plan.model.spec, plan.layout
+    shards = plan.experts.shards
+    if not spec.num_experts:
+        return
+    if len(shards) != lay.ep * lay.tp // lay.etp:
+        raise PlanError(f"experts.shards: {len(shards)} lists for ep·tp/etp = {lay.ep * lay.tp // lay.etp} shards")
+    flat = sorted(e for s in shards for e in s)
+    if flat != list(range(spec.num_experts)):
+        raise PlanError(f"experts.shards: must hold every expert 0..{spec.num_experts - 1} exactly once")
+
+
+def check_runnable(plan: Plan, *, world_size: int | None = None, need_backend: bool = True) -> None:
+    """Refuse a plan the runtime cannot execute here (see the module docstring); one-line PlanError."""
+    check_layout_for_runtime(plan.layout)
+    if len(plan.memory.ranks) != plan.layout.pp:
+        raise PlanError(f"memory.ranks: {len(plan.memory.ranks)} entries for pp={plan.layout.pp} ranks")
+    check_schedule(plan)
+    check_experts(plan)
+    if world_size is not None and world_size != plan.layout.num_devices:
+        raise PlanError(f"layout.num_devices={plan.layout.num_devices}: {world_size} processes were launched")
+    if need_backend:
+        check_backend(plan.target.backend)
+
+
+def check_backend(backend: Literal["cpu", "cuda", "npu"]) -> None:
+    """Raise PlanError unless this machine has the target's device type."""
+    import torch
+
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise PlanError("target.backend='cuda': no CUDA device on this machine")
+    if backend == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            raise PlanError("target.backend='npu': torch_npu is not installed on this machine") from None
+        if not torch.npu.is_available():
+            raise PlanError("target.backend='npu': no Ascend NPU on this machine")
+
+
+def torchrun_command(plan: Plan, request: RunRequest) -> str:
+    """The command to run on every node of a cluster (node rank and master address from the environment)."""
+    per_node = min(plan.target.devices_per_node, plan.layout.num_devices)
+    nnodes = math.ceil(plan.layout.num_devices / per_node)
+    args = " ".join(shlex.quote(a) for a in request.argv())
+    return (f"torchrun --nnodes {nnodes} --nproc-per-node {per_node} --node-rank $NODE_RANK "
+            f"--rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 -m moeplan.cli run {args}")
+
+
+def _failure_line(error: Exception) -> str:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if not isinstance(error, ChildFailedError):
+        return f"launch failed: {error}"
+    rank, failure = error.get_first_failure()
+    data = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+    if isinstance(data, dict):
+        reason = str(data.get("message", "")).strip().splitlines()[-1:] or [""]
+        why = reason[0]
+    elif failure.exitcode < 0:
+        why = f"killed by signal {-failure.exitcode} ({failure.signal_name()})"
+    else:
+        why = f"exit code {failure.exitcode}"
+    return f"rank {rank} failed: {why}; the other ranks were stopped"
+
+
+def launch_local(plan: Plan, request: RunRequest) -> None:
+    """Run ``request`` on ``plan.layout.num_devices`` local processes; raises RunFailed naming the failed rank."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every rank
+    quiet = logging.getLogger("torch.distributed.elastic")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        with tempfile.TemporaryDirectory(prefix="moeplan-run-") as logs:
+            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=plan.layout.num_devices,
+                                  run_id=str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint="localhost:0",
+                                  max_restarts=0, monitor_interval=0.1, start_method="spawn",
+                                  logs_specs=DefaultLogsSpecs(log_dir=logs))
+            elastic_launch(config, entrypoint=sys.executable)("-m", "moeplan.runtime.worker", *request.argv())
+    except ChildFailedError as e:
+        raise RunFailed(_failure_line(e)) from None
+    except SignalException as e:
+        raise RunFailed(f"interrupted by signal {e.sigval.name}; every rank was stopped") from None
+    finally:
+        quiet.setLevel(level)

@@ -1,0 +1,234 @@
+"""Per-step measurement of a rank (DESIGN §7): action wall times, saved-activation bytes, bytes and time per comm
+class, and the JSON line each step writes.
+
+- :class:`SavedActivationMeter` counts what autograd keeps for backward with
+  ``torch.autograd.graph.saved_tensors_hooks``: parameters (and views of them) are skipped, tensors sharing a
+  storage are counted once (the storage's bytes), and a tensor is live from its pack until autograd drops it. Under
+  ``torch.utils.checkpoint`` the outer hooks see only the region's inputs, so the selective-checkpoint policy adds
+  the outputs it keeps with :meth:`SavedActivationMeter.keep` (released when the region is recomputed).
+- :class:`CommMeter` is a ``TorchDispatchMode`` active during F and B: it sees every ``c10d`` /
+  ``_c10d_functional`` op the layers issue (TP/SP, EP dispatch/combine, CP), classifies it by its process group
+  and adds the op's wall time until completion (it waits on the op's ``Work``, which the synchronous
+  ``torch.distributed`` calls the layers make would do right after anyway). Its Python dispatch costs every op a
+  few microseconds, so it runs only on metered steps and only on ranks with in-layer groups. The bytes of the
+  in-layer collectives come from the layers' own tally (moeplan.runtime.parallel.CommLog, every step); the
+  runtime's p2p and optimizer traffic is recorded directly with :meth:`CommTotals.add`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+from torch.distributed.distributed_c10d import ProcessGroup, Work
+from torch.utils._python_dispatch import TorchDispatchMode
+
+COMM_CLASSES = ("tp", "ep", "cp", "dp", "pp", "other")
+
+
+class _Packed:
+    """A saved tensor held for autograd; tells the meter when autograd lets go of it."""
+
+    __slots__ = ("tensor", "meter", "ptr")
+
+    def __init__(self, tensor: torch.Tensor, meter: "SavedActivationMeter", ptr: int) -> None:
+        self.tensor, self.meter, self.ptr = tensor, meter, ptr
+
+    def __del__(self) -> None:
+        self.meter._release(self.ptr)
+
+
+class SavedActivationMeter:
+    """Live and peak bytes of saved activations on this rank (see the module docstring). Bytes are storage bytes.
+
+    Cheap by design (it runs on every saved tensor of every step): one storage lookup per pack, plain dicts.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self._param_storages = frozenset(p.untyped_storage().data_ptr() for p in params)
+        self._refs: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def _acquire(self, ptr: int, nbytes: int) -> None:
+        refs = self._refs.get(ptr, 0)
+        if refs == 0:
+            self._sizes[ptr] = nbytes
+            self.live_bytes += nbytes
+            if self.live_bytes > self.peak_bytes:
+                self.peak_bytes = self.live_bytes
+        self._refs[ptr] = refs + 1
+
+    def _release(self, ptr: int) -> None:
+        refs = self._refs[ptr] - 1
+        if refs:
+            self._refs[ptr] = refs
+        else:
+            del self._refs[ptr]
+            self.live_bytes -= self._sizes.pop(ptr)
+
+    def pack(self, t: torch.Tensor) -> object:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self._param_storages or ptr == 0:  # a parameter (or a view of one), or an empty tensor
+            return t
+        self._acquire(ptr, storage.nbytes())
+        return _Packed(t, self, ptr)
+
+    @staticmethod
+    def unpack(packed: object) -> torch.Tensor:
+        return packed.tensor if type(packed) is _Packed else packed
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context manager that routes autograd's saved tensors through this meter."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def keep(self, t: torch.Tensor, record: list[int]) -> None:
+        """Count ``t`` (kept by a selective-checkpoint policy) as live; ``record`` collects it for :meth:`drop`."""
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self._param_storages and ptr != 0:
+                self._acquire(ptr, storage.nbytes())
+                record.append(ptr)
+
+    def drop(self, record: list[int]) -> None:
+        """Release what :meth:`keep` counted into ``record`` (the region was recomputed)."""
+        for ptr in record:
+            self._release(ptr)
+        record.clear()
+
+
+@dataclass
+class CommTotals:
+    """Seconds and bytes this rank spent / contributed per comm class during one step."""
+
+    seconds: Counter = field(default_factory=Counter)
+    nbytes: Counter = field(default_factory=Counter)
+
+    def add(self, comm_class: str, seconds: float, nbytes: int) -> None:
+        self.seconds[comm_class] += seconds
+        self.nbytes[comm_class] += nbytes
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.nbytes.clear()
+
+
+def _wait_all(out: object) -> None:
+    """Wait for the ``Work`` handles a c10d op returned (so the op's time includes its completion)."""
+    for item in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(item, torch.ScriptObject):
+            try:
+                Work.unbox(item).wait()
+            except (RuntimeError, TypeError):
+                continue
+
+
+class CommMeter(TorchDispatchMode):
+    """Times and sizes the collectives issued while active; ``classes`` maps a group name to its comm class."""
+
+    def __init__(self, classes: Mapping[str, str], totals: CommTotals) -> None:
+        super().__init__()
+        self._classes = dict(classes)
+        self.totals = totals
+
+    def _classify(self, args: tuple, kwargs: dict) -> str:
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.ScriptObject):
+                try:
+                    return self._classes.get(ProcessGroup.unbox(a).group_name, "other")
+                except (RuntimeError, TypeError):
+                    continue
+            if isinstance(a, str) and a in self._classes:
+                return self._classes[a]
+        return "other"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace not in ("c10d", "_c10d_functional"):
+            return func(*args, **kwargs)
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        _wait_all(out)  # the op only enqueues; the caller's wait would fall outside the timer
+        self.totals.add(self._classify(args, kwargs), time.perf_counter() - t0, 0)
+        return out
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """What one rank measured in one step: seconds per action kind (F, B, SEND_F, ...), seconds and bytes per comm
+    class (in-layer collectives, p2p, optimizer), and the peak saved-activation bytes (-1 on an unmetered step,
+    which also lacks the in-layer collectives)."""
+
+    rank: int
+    pp_rank: int
+    action_s: Mapping[str, float]
+    comm_s: Mapping[str, float]
+    comm_bytes: Mapping[str, int]
+    peak_saved_bytes: int
+
+
+ACTION_KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_WAIT", "OPTIMIZER")
+
+
+def rank_step_vector(step: RankStep) -> torch.Tensor:
+    """Pack a RankStep into a float64 vector (fixed layout) for an all-gather across ranks."""
+    values = [float(step.rank), float(step.pp_rank), float(step.peak_saved_bytes)]
+    values += [step.action_s.get(k, 0.0) for k in ACTION_KINDS]
+    values += [step.comm_s.get(c, 0.0) for c in COMM_CLASSES]
+    values += [float(step.comm_bytes.get(c, 0)) for c in COMM_CLASSES]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def rank_step_from_vector(v: torch.Tensor) -> RankStep:
+    vals = v.tolist()
+    a, c = 3, 3 + len(ACTION_KINDS)
+    b = c + len(COMM_CLASSES)
+    return RankStep(rank=int(vals[0]), pp_rank=int(vals[1]), peak_saved_bytes=int(vals[2]),
+                    action_s={k: x for k, x in zip(ACTION_KINDS, vals[a:c]) if x},
+                    comm_s={k: x for k, x in zip(COMM_CLASSES, vals[c:b]) if x},
+                    comm_bytes={k: int(x) for k, x in zip(COMM_CLASSES, vals[b:]) if x})
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One JSON line of ``--metrics``: the step (1-based), its loss, wall time and throughput, and every rank's
+    measurements (``ranks``, ordered by global rank)."""
+
+    step: int
+    loss: float
+    step_time_s: float
+    tokens_per_s: float
+    grad_norm: float
+    ranks: tuple[RankStep, ...]
+
+    @property
+    def metered(self) -> bool:
+        return all(r.peak_saved_bytes >= 0 for r in self.ranks)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "step": self.step, "loss": self.loss, "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s, "grad_norm": self.grad_norm,
+            "ranks": [{"rank": r.rank, "pp_rank": r.pp_rank, "action_s": dict(r.action_s), "comm_s": dict(r.comm_s),
+                       "comm_bytes": dict(r.comm_bytes),
+                       "peak_saved_bytes": r.peak_saved_bytes if r.peak_saved_bytes >= 0 else None}
+                      for r in self.ranks]})
+
+    @staticmethod
+    def from_json(line: str) -> "StepRecord":
+        d = json.loads(line)
+        ranks = tuple(RankStep(rank=r["rank"], pp_rank=r["pp_rank"], action_s=r["action_s"], comm_s=r["comm_s"],
+                               comm_bytes=r["comm_bytes"],
+                               peak_saved_bytes=-1 if r["peak_saved_bytes"] is None else r["peak_saved_bytes"])
+                      for r in d["ranks"])
+        return StepRecord(step=d["step"], loss=d["loss"], step_time_s=d["step_time_s"],
+                          tokens_per_s=d["tokens_per_s"], grad_norm=d["grad_norm"], ranks=ranks)

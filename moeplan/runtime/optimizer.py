@@ -1,0 +1,254 @@
+"""The distributed optimizer: ZeRO-1 style AdamW over data parallelism, with global-norm gradient clipping.
+
+Per parameter class — dense parameters over the dense-gradient group ``dp_cp`` and routed-expert parameters over
+``expert_dp`` — and per weight-decay class (matrices decay, 1-D norm gains do not), the parameters' gradients are
+flattened into one buffer padded to a multiple of the group size and reduce-scattered (SUM), so each rank owns one
+contiguous shard (Rajbhandari et al., ZeRO, arXiv 1910.02054 §5.1 stage 1; Megatron-LM ``DistributedOptimizer``).
+The shard is scaled by ``grad_scale``, ``1/dp`` for both classes: the layers of moeplan.runtime.build give each CP
+rank's share of the micro-batch loss gradient (ParallelHead), so a SUM over cp and the mean over dp make the
+gradient of the global-batch mean loss; each expert accumulates the tokens of every rank of its expert group, so
+the SUM over expert-DP covers each token once (the same rule as Megatron-LM ``DistributedDataParallel``, which scales
+expert gradients by ``1/(dp·cp)`` of a per-token-mean loss). Then the global gradient norm (over every rank, each
+element counted once, see :class:`ParamEntry`) clips the shards, ``torch.optim.AdamW`` updates each fp32 shard, and
+the shards are all-gathered back into the parameters.
+
+Elementwise AdamW on a shard equals AdamW on the whole tensor, so the result matches single-process AdamW on the
+same global batch (up to the summation order of the gradient reduction).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moeplan.plan import Plan
+from moeplan.runtime.metrics import CommTotals
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW hyper-parameters (Loshchilov & Hutter, arXiv 1711.05101) and the clipping threshold.
+
+    ``lr`` constant (no schedule); ``weight_decay`` applies to parameters with ≥ 2 dims; ``max_grad_norm`` is the
+    global L2 norm threshold (``torch.nn.utils.clip_grad_norm_``: coefficient ``max/(norm + 1e-6)`` capped at 1).
+    """
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One local parameter: ``name`` (full model name), how much its squared gradient counts in the global norm
+    (``1/tp`` for a TP-replicated dense parameter, 0 for a tied copy whose owner is counted, else 1)."""
+
+    name: str
+    param: torch.nn.Parameter
+    norm_weight: float
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _group_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+class FlatParams:
+    """Parameters flattened into one padded buffer, reduce-scattered over ``group``; this rank owns one shard.
+
+    ``master`` (fp32, ``shard_numel`` elements) is the owned shard of the parameters; ``norm_weight`` the per-element
+    weight of the squared gradient in the global norm.
+    """
+
+    def __init__(self, entries: Sequence[ParamEntry], group: dist.ProcessGroup | None, *, grad_scale: float,
+                 comm: CommTotals, device: torch.device) -> None:
+        self.entries, self.group, self.grad_scale, self.comm = tuple(entries), group, grad_scale, comm
+        self.device = device
+        self.world, self.rank = _group_size(group), _group_rank(group)
+        numels = [e.param.numel() for e in self.entries]
+        self.offsets = [sum(numels[:i]) for i in range(len(numels))]
+        total = sum(numels)
+        self.shard_numel = math.ceil(total / self.world) if total else 0
+        self.padded = self.shard_numel * self.world
+        lo, hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        with torch.no_grad():
+            self.master = self._flat(lambda p: p.detach())[lo:hi].float().clone()
+            weights = torch.cat([torch.full((n,), e.norm_weight, device=device) for e, n in zip(self.entries, numels)]
+                                + [torch.zeros(self.padded - total, device=device)])
+        self.norm_weight = weights[lo:hi].clone()
+        self.grad = torch.zeros_like(self.master)
+
+    def _flat(self, get) -> torch.Tensor:
+        parts = [get(e.param).reshape(-1).float() for e in self.entries]
+        pad = self.padded - sum(p.numel() for p in parts)
+        return torch.cat(parts + [torch.zeros(pad, device=self.device)])
+
+    def reduce_scatter_grads(self) -> None:
+        """Sum the gradients over the group into this rank's shard, times ``grad_scale``."""
+        flat = self._flat(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+        if self.world > 1 and self.padded:
+            t0 = time.perf_counter()
+            dist.reduce_scatter_single(self.grad, flat, group=self.group)
+            self.comm.add("dp", time.perf_counter() - t0, flat.numel() * flat.element_size())
+        else:
+            self.grad.copy_(flat)
+        self.grad.mul_(self.grad_scale)
+
+    def norm_sq(self) -> torch.Tensor:
+        """This shard's weighted sum of squared gradients (float64 scalar)."""
+        return (self.grad.double().square() * self.norm_weight.double()).sum()
+
+    def all_gather_params(self) -> None:
+        """Gather every rank's updated shard and copy it into the parameters."""
+        if self.world > 1 and self.padded:
+            flat = torch.empty(self.padded, device=self.device)
+            t0 = time.perf_counter()
+            dist.all_gather_single(flat, self.master, group=self.group)
+            self.comm.add("dp", time.perf_counter() - t0, self.master.numel() * self.master.element_size())
+        else:
+            flat = self.master
+        with torch.no_grad():
+            for e, off in zip(self.entries, self.offsets):
+                e.param.copy_(flat[off:off + e.param.numel()].view_as(e.param))
+
+
+class DistributedAdamW:
+    """ZeRO-1 AdamW over the dense and expert parameter groups (see the module docstring).
+
+    ``dense`` / ``expert``: this rank's parameters of each class; ``dense_group`` / ``expert_group``: their
+    gradient groups (``None`` = one rank); ``grad_scale``: ``1/dp`` (module docstring). :meth:`step` returns the
+    global gradient norm before clipping; every rank must call it (the norm is all-reduced over the world).
+    """
+
+    def __init__(self, *, dense: Sequence[ParamEntry], expert: Sequence[ParamEntry],
+                 dense_group: dist.ProcessGroup | None, expert_group: dist.ProcessGroup | None, grad_scale: float,
+                 config: OptimConfig, comm: CommTotals, device: torch.device = torch.device("cpu")) -> None:
+        self.config, self.device = config, device
+        self.buffers: dict[str, FlatParams] = {}
+        groups = []
+        for cls, entries, group in (("dense", dense, dense_group), ("expert", expert, expert_group)):
+            for decay in (True, False):
+                buf = FlatParams([e for e in entries if (e.param.dim() >= 2) == decay], group,
+                                 grad_scale=grad_scale, comm=comm, device=device)
+                self.buffers[f"{cls}_{'decay' if decay else 'no_decay'}"] = buf
+                groups.append({"params": [buf.master], "weight_decay": config.weight_decay if decay else 0.0})
+        self.adamw = torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
+                                       foreach=False)
+        for buf in self.buffers.values():  # eager state (as AdamW's lazy init), so a checkpoint can load into it
+            self.adamw.state[buf.master] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(buf.master),
+                                            "exp_avg_sq": torch.zeros_like(buf.master)}
+
+    def step(self) -> float:
+        """Reduce-scatter, clip by the global norm, AdamW on the shards, all-gather. Returns the norm."""
+        for b in self.buffers.values():
+            b.reduce_scatter_grads()
+        norm_sq = torch.stack([b.norm_sq() for b in self.buffers.values()]).sum()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(norm_sq)
+        norm = float(norm_sq.sqrt())
+        coef = min(1.0, self.config.max_grad_norm / (norm + 1e-6))
+        for b in self.buffers.values():
+            b.master.grad = b.grad.mul_(coef) if coef < 1.0 else b.grad
+        self.adamw.step()
+        for b in self.buffers.values():
+            b.all_gather_params()
+        return norm
+
+    def zero_grad(self) -> None:
+        for b in self.buffers.values():
+            for e in b.entries:
+                e.param.grad = None
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's optimizer state by stable name: each shard's fp32 master, AdamW moments and step count.
+        The tensors are the live ones: loading a checkpoint into them (then :meth:`sync_params`) restores the state."""
+        out: dict[str, torch.Tensor] = {}
+        for key, b in self.buffers.items():
+            out[f"{key}.master"] = b.master
+            for name, value in self.adamw.state[b.master].items():
+                out[f"{key}.{name}"] = value
+        return out
+
+    def sync_params(self) -> None:
+        """Copy the (restored) master shards back into the parameters of every rank."""
+        for b in self.buffers.values():
+            b.all_gather_params()
+
+
+# ---- building the optimizer's inputs from a rank's modules -----------------------------------------------------------
+def _layer_of(full_name: str, layers: Sequence[str]) -> str:
+    """The layer a full parameter name belongs to (the longest layer name that prefixes it)."""
+    return max((n for n in layers if full_name.startswith(n + ".")), key=len)
+
+
+def param_entries(plan: Plan, modules: Mapping[int, nn.ModuleDict]) -> tuple[list[ParamEntry], list[ParamEntry]]:
+    """(dense, expert) entries of this rank's parameters with their norm weights: a dense parameter replicated over
+    TP (no TP shard) counts ``1/tp`` (every TP rank holds the same full gradient), a copy whose owner lives on
+    another PP rank counts 0 (the owner is counted), everything else 1."""
+    from moeplan.runtime.build import rank_parameters
+
+    spec, tp = plan.model.spec, plan.layout.tp
+    local = [n for layers in modules.values() for n in layers.keys()]
+    every = [n for rank in plan.stages.chunks for chunk in rank for n in chunk]
+    dense, expert = [], []
+    for rp in rank_parameters(dict(modules), spec):
+        owner_here = _layer_of(rp.name, every) in local
+        if not owner_here:
+            weight = 0.0
+        elif rp.expert or rp.shard.dim is not None:
+            weight = 1.0
+        else:
+            weight = 1.0 / tp
+        (expert if rp.expert else dense).append(ParamEntry(name=rp.name, param=rp.param, norm_weight=weight))
+    return dense, expert
+
+
+class TiedGrads:
+    """Sums the gradients of parameter copies with their owners across PP ranks (moeplan.models.tied_parameters:
+    the MTP embedding, the MTP head's output layer). Copies on the owner's rank share its Parameter (build.py) and
+    need nothing. Collective at construction: one 2-rank group per tied PP-rank pair and pipeline, created in the
+    same order on every rank."""
+
+    def __init__(self, plan: Plan, modules: Mapping[int, nn.ModuleDict], *, rank: int, comm: CommTotals,
+                 timeout: timedelta) -> None:
+        from moeplan.models import tied_parameters
+        from moeplan.runtime.groups import group_ranks
+
+        self.comm = comm
+        pp_of = {n: r for r, chunks in enumerate(plan.stages.chunks) for chunk in chunks for n in chunk}
+        every = list(pp_of)
+        mine = {n: m for layers in modules.values() for n, m in layers.items()}
+        self.jobs: list[tuple[dist.ProcessGroup, nn.Parameter]] = []
+        for copy, owner in tied_parameters(plan.model.spec):
+            a, b = _layer_of(copy, every), _layer_of(owner, every)
+            if pp_of[a] == pp_of[b]:
+                continue
+            for pipe in group_ranks(plan.layout).pp:
+                group = dist.new_group(sorted((pipe[pp_of[a]], pipe[pp_of[b]])), timeout=timeout)
+                if rank in pipe:
+                    layer = a if pipe[pp_of[a]] == rank else b if pipe[pp_of[b]] == rank else None
+                    if layer is not None:
+                        full = copy if layer == a else owner
+                        self.jobs.append((group, mine[layer].get_parameter(full[len(layer) + 1:])))
+
+    def sync(self) -> None:
+        """All-reduce (sum) each tied parameter's gradient with its twin on the other PP rank (tallied as ``dp``:
+        gradient-synchronisation traffic of the optimizer phase, as Megatron-LM's embedding-group all-reduce)."""
+        for group, param in self.jobs:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            t0 = time.perf_counter()
+            dist.all_reduce(param.grad, group=group)
+            self.comm.add("dp", time.perf_counter() - t0, param.grad.numel() * param.grad.element_size())

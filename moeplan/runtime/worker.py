@@ -1,0 +1,243 @@
+"""The per-rank entry point of ``moeplan run`` (``python -m moeplan.runtime.worker PLAN --steps N ...``).
+
+Started by :func:`moeplan.runtime.launch.launch_local` (one process per emulated device) or by ``torchrun`` on a
+cluster; reads RANK / WORLD_SIZE / LOCAL_RANK from the environment, initialises the process group of the plan's
+backend (gloo, nccl or hccl) with an explicit timeout, and :func:`train` runs the steps.
+
+One step: the global batch of the step (moeplan.runtime.data) → this rank's micro-batches → the action list
+(:class:`~moeplan.runtime.executor.PipelineExecutor`) → tied-gradient sums across PP → the distributed optimizer
+(ZeRO-1 AdamW, clipping) → an all-gather of every rank's measurements → rank 0 writes the JSON line and advances
+the progress bar; every ``checkpoint_every`` steps a checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from moeplan.plan import Plan, load_plan
+from moeplan.runtime.build import LayerDict, build_rank_modules
+from moeplan.runtime.checkpoint import load_checkpoint, newest_checkpoint, rank_state, save_checkpoint
+from moeplan.runtime.data import MicroBatch, check_tokens, global_batch, load_tokens, rank_microbatches
+from moeplan.runtime.executor import PipelineExecutor, recompute_call
+from moeplan.runtime.groups import ParallelGroups, RankCoords, make_groups
+from moeplan.runtime.launch import DIST_BACKEND, RunRequest, check_runnable
+from moeplan.runtime.metrics import (CommTotals, RankStep, SavedActivationMeter, StepRecord, rank_step_from_vector,
+                                     rank_step_vector)
+from moeplan.runtime.parallel import CommLog
+from moeplan.runtime.optimizer import DistributedAdamW, OptimConfig, TiedGrads, param_entries
+
+#: process-group kind -> comm class of the collectives on it (ParallelGroups fields)
+
+def in_layer_classes(groups: ParallelGroups) -> dict[str, str]:
+    """Process-group name -> comm class of the in-layer collectives on it (the p2p and optimizer traffic is tallied
+    by the executor and optimizer themselves). ``tp_cp`` carries the micro-batch-wide routing statistics (EP) and
+    ``etp`` the expert-TP gathers (EP), as passes/shard.py prices them; the first class wins for a shared group."""
+    out: dict[str, str] = {}
+    for group, cls in ((groups.cp, "cp"), (groups.tp, "tp"), (groups.tp_cp, "ep"), (groups.expert, "ep"),
+                       (groups.etp, "ep")):
+        if group is not None:
+            out.setdefault(group.group_name, cls)
+    return out
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    """The torch device of this rank for a target backend (``cpu``, ``cuda:{local_rank}``, ``npu:{local_rank}``)."""
+    if backend == "cpu":
+        return torch.device("cpu")
+    if backend == "npu":
+        import torch_npu  # noqa: F401  (registers the npu device and hccl; untested here)
+    getattr(torch, backend).set_device(local_rank)
+    return torch.device(backend, local_rank)
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """Everything a rank builds once: coordinates, groups, modules, executor, optimizer and their meters."""
+
+    coords: RankCoords
+    groups: ParallelGroups
+    modules: dict[int, LayerDict]
+    executor: PipelineExecutor
+    optimizer: DistributedAdamW
+    ties: TiedGrads
+    comm: CommTotals
+    layer_log: CommLog
+    meter: SavedActivationMeter
+
+
+def setup_rank(plan: Plan, request: RunRequest, *, device: torch.device) -> RankSetup:
+    """Collective: groups, this rank's modules (moeplan.runtime.build), executor and optimizer."""
+    rank, lay = dist.get_rank(), plan.layout
+    timeout = timedelta(seconds=request.timeout_s)
+    coords, groups = make_groups(lay, rank, timeout=timeout)
+    layer_log = CommLog()
+    modules = build_rank_modules(plan, coords, groups, seed=request.seed, device=device, comm_log=layer_log)
+    comm = CommTotals()
+    dense, expert = param_entries(plan, modules)
+    optimizer = DistributedAdamW(dense=dense, expert=expert, dense_group=groups.dp_cp, expert_group=groups.expert_dp,
+                                 grad_scale=1.0 / lay.dp, config=OptimConfig(lr=request.lr), comm=comm,
+                                 device=device)
+    ties = TiedGrads(plan, modules, rank=rank, comm=comm, timeout=timeout)
+    meter = SavedActivationMeter([e.param for e in dense + expert])
+    mode = plan.memory.ranks[coords.pp_rank].recompute
+    executor = PipelineExecutor(plan, pp_rank=coords.pp_rank, pp_ranks=groups.pp_ranks, modules=modules, meter=meter,
+                                comm_classes=in_layer_classes(groups), localize=lambda mb: _to(mb, device),
+                                call=recompute_call(mode, meter), device=device)
+    return RankSetup(coords, groups, modules, executor, optimizer, ties, comm, layer_log, meter)
+
+
+def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    return MicroBatch(tokens=mb.tokens.to(device), labels=mb.labels.to(device))
+
+
+def run_one_step(plan: Plan, setup: RankSetup, tokens: torch.Tensor, step: int, *, metered: bool = True) -> StepRecord:
+    """Run step ``step`` (0-based) on this rank; collective. Returns the step's record (the same on every rank).
+    Unmetered steps skip the saved-activation and in-layer collective meters (their peak is recorded as -1)."""
+    lay, coords = plan.layout, setup.coords
+    setup.comm.reset()
+    setup.layer_log.clear()
+    setup.meter.reset_peak()
+    t0 = time.perf_counter()
+    batch = global_batch(tokens, step=step, global_batch=lay.global_batch, seq_len=lay.seq_len)
+    mbs = rank_microbatches(batch, dp_rank=coords.dp_rank, dp=lay.dp, micro_batch=lay.micro_batch)
+    loss_sum, times = setup.executor.run_step(mbs, setup.comm, metered=metered)
+    t1 = time.perf_counter()
+    setup.ties.sync()
+    norm = setup.optimizer.step()
+    setup.optimizer.zero_grad()
+    times["OPTIMIZER"] += time.perf_counter() - t1
+    step_s = time.perf_counter() - t0
+    for cls, nbytes in setup.layer_log.bytes_by_class().items():
+        setup.comm.add(cls, 0.0, nbytes)
+    counts = coords.pp_rank == lay.pp - 1 and coords.tp_rank == 0 and coords.cp_rank == 0
+    mine = RankStep(rank=coords.rank, pp_rank=coords.pp_rank, action_s=dict(times), comm_s=dict(setup.comm.seconds),
+                    comm_bytes=dict(setup.comm.nbytes), peak_saved_bytes=setup.meter.peak_bytes if metered else -1)
+    extra = torch.tensor([loss_sum / lay.num_microbatches / lay.dp if counts else 0.0, step_s], dtype=torch.float64)
+    vec = torch.cat([rank_step_vector(mine), extra]).to(_comm_device(plan))
+    gathered = torch.empty(dist.get_world_size() * vec.numel(), dtype=vec.dtype, device=vec.device)
+    dist.all_gather_single(gathered, vec)
+    rows = gathered.cpu().view(dist.get_world_size(), -1)
+    step_time = float(rows[:, -1].max())
+    return StepRecord(step=step + 1, loss=float(rows[:, -2].sum()), step_time_s=step_time,
+                      tokens_per_s=lay.global_batch * lay.seq_len / step_time, grad_norm=norm,
+                      ranks=tuple(rank_step_from_vector(r[:-2]) for r in rows))
+
+
+def _comm_device(plan: Plan) -> torch.device:
+    if plan.target.backend == "cpu":
+        return torch.device("cpu")
+    return torch.device(plan.target.backend, torch.accelerator.current_device_index())
+
+
+def _resume(plan: Plan, request: RunRequest, setup: RankSetup, step_tensor: torch.Tensor) -> int:
+    ref = newest_checkpoint(request.checkpoint_dir) if request.checkpoint_dir else None
+    if ref is None:
+        if dist.get_rank() == 0:
+            print(f"moeplan run: no complete checkpoint under {request.checkpoint_dir}; starting at step 0",
+                  file=sys.stderr)
+        return 0
+    state = rank_state(dist.get_rank(), setup.modules, setup.optimizer.state_tensors(), step_tensor)
+    load_checkpoint(state, ref, layout=plan.layout)
+    setup.optimizer.sync_params()
+    return int(step_tensor.item())
+
+
+def _keep_records(path: Path, upto: int) -> None:
+    """Drop the metrics lines of steps after ``upto`` (a resumed run rewrites them); atomic rewrite."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and StepRecord.from_json(ln).step <= upto]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(ln + "\n" for ln in lines))
+    tmp.replace(path)
+
+
+def train(plan: Plan, request: RunRequest, *, device: torch.device,
+          on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+    """Run ``request.steps`` steps (fewer when resuming) on this rank; collective over the initialised process
+    group. Returns the records of the steps run; rank 0 appends them to ``request.metrics``."""
+    setup = setup_rank(plan, request, device=device)
+    tokens = load_tokens(request.data)
+    check_tokens(tokens, vocab_size=plan.model.spec.vocab_size, seq_len=plan.layout.seq_len)
+    step_tensor = torch.zeros((), dtype=torch.int64)
+    start = _resume(plan, request, setup, step_tensor) if request.resume else 0
+    metrics = Path(request.metrics) if request.metrics and dist.get_rank() == 0 else None
+    if metrics is not None:
+        if start:
+            _keep_records(metrics, start)
+        elif metrics.exists():
+            metrics.unlink()
+    records = []
+    for step in range(start, request.steps):
+        record = run_one_step(plan, setup, tokens, step, metered=step % request.meter_every == 0)
+        records.append(record)
+        if metrics is not None:
+            with metrics.open("a") as f:
+                f.write(record.to_json() + "\n")
+        if on_step is not None:
+            on_step(record)
+        if request.checkpoint_every and (step + 1) % request.checkpoint_every == 0 and request.checkpoint_dir:
+            step_tensor.fill_(step + 1)
+            state = rank_state(dist.get_rank(), setup.modules, setup.optimizer.state_tensors(), step_tensor)
+            save_checkpoint(state, root=request.checkpoint_dir, step=step + 1, layout=plan.layout)
+    return records
+
+
+def _progress(total: int, start: int):
+    """A rich progress bar on stderr (loss, step time, tokens/s) and the per-step update function."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
+                        TimeRemainingColumn(), console=Console(stderr=True))
+    task = progress.add_task("train", total=total, completed=start, info="")
+
+    def update(r: StepRecord) -> None:
+        progress.update(task, completed=r.step, info=f"loss {r.loss:.4f} · {r.step_time_s * 1e3:.0f} ms/step · "
+                                                     f"{r.tokens_per_s:,.0f} tokens/s")
+
+    return progress, update
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of one rank; returns the exit code (0, or 2 for a plan refused here)."""
+    from moeplan.errors import MoeplanError
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    request = RunRequest.parse(sys.argv[1:] if argv is None else argv)
+    try:
+        plan = load_plan(request.plan)
+        world = int(os.environ["WORLD_SIZE"])
+        check_runnable(plan, world_size=world)
+    except MoeplanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    device = device_for(plan.target.backend, local_rank)
+    dist.init_process_group(DIST_BACKEND[plan.target.backend], rank=rank, world_size=world,
+                            timeout=timedelta(seconds=request.timeout_s))
+    try:
+        if rank == 0:
+            progress, update = _progress(request.steps, 0)
+            with progress:
+                train(plan, request, device=device, on_step=update)
+        else:
+            train(plan, request, device=device)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())

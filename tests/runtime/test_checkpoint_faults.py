@@ -1,0 +1,125 @@
+"""Checkpoints and faults through ``moeplan run`` (issue 3, "Done when: Checkpoints and faults").
+
+An uninterrupted 6-step run checkpoints every 2 steps. A second run is SIGKILLed on rank 1 mid-run: every process
+exits within 60 s with a line naming rank 1, the newest complete checkpoint loads, and ``--resume`` continues to
+step 6 with exactly the uninterrupted run's losses.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeplan.plan import save_plan
+from moeplan.runtime.checkpoint import newest_checkpoint
+from moeplan.runtime.data import stdlib_tokens
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_executor import make_plan  # noqa: E402
+
+STEPS = 6
+
+
+def moeplan(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moeplan.cli", *args], capture_output=True, text=True, timeout=240,
+                          **kw)
+
+
+def losses(path: Path) -> dict[int, float]:
+    return {d["step"]: d["loss"] for d in map(json.loads, path.read_text().splitlines())}
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out += [int(entry.name), *_children(int(entry.name))]
+    return out
+
+
+def worker_pid(launcher: int, rank: int) -> int | None:
+    """The pid of the ``moeplan.runtime.worker`` process of ``rank`` under the launcher process."""
+    for pid in _children(launcher):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"moeplan.runtime.worker" in cmd and f"RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    save_plan(make_plan(2, dict(pp=2, vpp=1, tp=1, cp=1, micro_batch=4)), root / "plan.yaml")
+    np.save(root / "tokens.npy", stdlib_tokens("train")[:20_000].numpy())
+    return root
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(setup) -> dict[int, float]:
+    proc = moeplan("run", str(setup / "plan.yaml"), "--steps", str(STEPS), "--data", str(setup / "tokens.npy"),
+                   "--metrics", str(setup / "full.jsonl"), "--checkpoint-every", "2", "--checkpoint-dir",
+                   str(setup / "ck_full"))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (setup / "ck_full").iterdir()) == ["step-00000002", "step-00000004",
+                                                                   "step-00000006"]
+    return losses(setup / "full.jsonl")
+
+
+def test_killed_rank_stops_every_rank_and_resume_reproduces_losses(setup, uninterrupted):
+    ck, metrics = setup / "ck", setup / "killed.jsonl"
+    args = [sys.executable, "-m", "moeplan.cli", "run", str(setup / "plan.yaml"), "--data", str(setup / "tokens.npy"),
+            "--metrics", str(metrics), "--checkpoint-every", "2", "--checkpoint-dir", str(ck)]
+    launcher = subprocess.Popen([*args, "--steps", "1000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert launcher.poll() is None and time.monotonic() < deadline, "run did not reach step 3"
+            time.sleep(0.1)
+        pid = worker_pid(launcher.pid, 1)
+        workers = [p for p in (worker_pid(launcher.pid, 0), pid) if p]
+        assert pid is not None and len(workers) == 2
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        _, stderr = launcher.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0 and took < 60
+    assert "rank 1 failed" in stderr and "SIGKILL" in stderr, stderr
+    assert all(not Path(f"/proc/{p}").exists() or "Z" in Path(f"/proc/{p}/stat").read_text().split()[2]
+               for p in workers)
+    ref = newest_checkpoint(ck)
+    assert ref is not None and ref.step >= 2 and ref.step % 2 == 0
+    assert not (ck / f".step-{ref.step:08d}.tmp").exists()
+    resumed = moeplan(*args[3:], "--steps", str(STEPS), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    got = losses(metrics)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert [got[s] for s in range(ref.step + 1, STEPS + 1)] == [uninterrupted[s] for s in range(ref.step + 1, STEPS + 1)]
+
+
+def test_resume_from_another_layout_is_refused(setup, uninterrupted):
+    other = setup / "other.yaml"
+    save_plan(make_plan(2, dict(pp=1, tp=1, cp=1, ep=1, micro_batch=4)), other)
+    proc = moeplan("run", str(other), "--steps", "8", "--data", str(setup / "tokens.npy"), "--resume",
+                   "--checkpoint-dir", str(setup / "ck_full"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "step-00000006" in lines[0] and "dp=1 vs 2" in lines[0] and "resume needs the same layout" in lines[0]

@@ -1,0 +1,172 @@
+"""``moeplan run`` / ``compare`` / ``calibrate`` through the command line.
+
+Hand-edited invalid plans are refused with one line (exit 2) before any process starts; a cuda plan prints the
+torchrun command; a short run's metrics carry the numbers the runtime must produce; compare and calibrate work.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from moeplan.plan import load_plan, save_plan
+from moeplan.runtime.data import stdlib_tokens
+from moeplan.targets import load_target
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_executor import make_plan  # noqa: E402
+
+STEPS = 3
+
+
+def moeplan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moeplan.cli", *args], capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    save_plan(make_plan(2, dict(pp=2, vpp=1, tp=1, cp=1, micro_batch=2)), root / "plan.yaml")
+    np.save(root / "tokens.npy", stdlib_tokens("train")[:20_000].numpy())
+    return root
+
+
+def _edited(root: Path, name: str, edit) -> str:
+    data = yaml.safe_load((root / "plan.yaml").read_text())
+    edit(data)
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+def _swap_first_b_for_w(data):
+    actions = data["schedule"]["actions"][0]
+    actions[actions.index("0B0")] = "0W0"
+
+
+EDITS = {
+    "unknown_action": (lambda d: d["schedule"]["actions"][0].insert(0, "0X1"), "'0X1' is not an action"),
+    "layer_on_two_ranks": (lambda d: d["stages"]["chunks"][1][0].insert(0, "layers.0"),
+                           "layer 'layers.0' is on pp rank 0 and pp rank 1"),
+    "device_count": (lambda d: d["layout"].update(num_devices=4), "layout.num_devices=4: must equal"),
+    "schema_version": (lambda d: d.update(schema_version=2), "schema_version=2"),
+    "missing_recv": (lambda d: d["schedule"]["actions"][1].remove("1RECV_F0"), "0SEND_F0 and 1RECV_F0"),
+    "w_without_i": (_swap_first_b_for_w, "stage 0 micro-batch 0 has 1 F, 0 B, 0 I, 1 W"),
+    "expert_twice": (lambda d: d["experts"].update(shards=[[0, 0, 1, 2, 3, 4, 5, 6]]), "every expert 0..7"),
+}
+
+
+def run_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """``moeplan ARGS`` through moeplan.cli.main in this process: (exit code, stderr, stdout)."""
+    from moeplan.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["moeplan", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.err, captured.out
+
+
+@pytest.mark.parametrize("name", list(EDITS))
+def test_invalid_plans_are_refused_before_launch(pp2, name, monkeypatch, capsys):
+    edit, needle = EDITS[name]
+    metrics = pp2 / f"{name}.jsonl"
+    monkeypatch.setattr("moeplan.runtime.launch.launch_local", lambda *a: pytest.fail("launched"))
+    code, stderr, _ = run_in_process(monkeypatch, capsys, "run", _edited(pp2, name, edit), "--steps", "1",
+                                     "--metrics", str(metrics))
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert needle in lines[0], lines[0]
+    assert not metrics.exists()
+
+
+def test_refusal_exits_2_with_one_line_from_the_shell(pp2):
+    proc = moeplan("run", _edited(pp2, "shell", lambda d: d.update(schema_version=0)), "--steps", "1")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: schema_version=0: this moeplan reads schema version 1"]
+
+
+def test_devices_option_must_match_the_plan(pp2, monkeypatch, capsys):
+    code, stderr, _ = run_in_process(monkeypatch, capsys, "run", str(pp2 / "plan.yaml"), "--steps", "1",
+                                     "--devices", "4")
+    assert code == 2 and "layout.num_devices=2: the plan is not for --devices 4" in stderr
+
+
+def test_cuda_plan_prints_the_torchrun_command(pp2, monkeypatch, capsys):
+    path = _edited(pp2, "cuda", lambda d: d["target"].update(backend="cuda", devices_per_node=8))
+    code, _, stdout = run_in_process(monkeypatch, capsys, "run", path, "--steps", "7", "--seed", "3")
+    assert code == 0
+    from moeplan.runtime.launch import RunRequest, torchrun_command
+
+    want = torchrun_command(load_plan(path), RunRequest(plan=path, steps=7, seed=3))
+    assert want.startswith("torchrun --nnodes 1 --nproc-per-node 2 ") and "-m moeplan.cli run" in want
+    assert "--steps 7" in want and "--seed 3" in want and want in stdout.replace("\n", "")
+
+
+@pytest.fixture(scope="module")
+def run_metrics(pp2) -> Path:
+    metrics = pp2 / "run.jsonl"
+    proc = moeplan("run", str(pp2 / "plan.yaml"), "--steps", str(STEPS), "--metrics", str(metrics), "--data",
+                   str(pp2 / "tokens.npy"), "--meter-every", "2")
+    assert proc.returncode == 0, proc.stderr
+    return metrics
+
+
+def test_metrics_lines_carry_the_measurements(pp2, run_metrics):
+    plan = load_plan(pp2 / "plan.yaml")
+    records = [json.loads(line) for line in run_metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    hidden_bytes = 2 * 64 * 64 * 4  # micro_batch × seq_len × hidden, fp32
+    m = plan.layout.num_microbatches
+    for r in records:
+        assert r["loss"] > 0 and r["tokens_per_s"] == pytest.approx(8 * 64 / r["step_time_s"])
+        first, last = r["ranks"]
+        assert first["comm_bytes"]["pp"] == m * hidden_bytes == last["comm_bytes"]["pp"]
+        assert first["action_s"]["F"] > 0 and first["action_s"]["B"] > 0 and last["action_s"]["RECV_F"] >= 0
+        assert first["comm_bytes"]["dp"] == last["comm_bytes"]["dp"] > 0  # the tied embedding gradients
+        if r["step"] % 2:  # metered (--meter-every 2: steps 1, 3)
+            assert first["peak_saved_bytes"] > last["peak_saved_bytes"] > 0  # rank 0 holds 2 micro-batches
+        else:
+            assert first["peak_saved_bytes"] is None and last["peak_saved_bytes"] is None
+
+
+def test_compare_json(pp2, run_metrics):
+    proc = moeplan("compare", str(pp2 / "plan.yaml"), str(run_metrics), "--json", "--first-step", "2")
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["quantity"]: r for r in json.loads(proc.stdout)}
+    plan = load_plan(pp2 / "plan.yaml")
+    records = [json.loads(line) for line in run_metrics.read_text().splitlines()]
+    assert rows["step time"]["predicted"] == plan.prediction.step_time_s
+    assert rows["step time"]["measured"] == records[1]["step_time_s"]  # the unmetered step of the window 2..3
+    assert rows["pp1 peak saved activations"]["measured"] == records[2]["ranks"][1]["peak_saved_bytes"]
+    assert rows["pp0 bytes pp"]["measured"] == rows["pp0 bytes pp"]["predicted"]  # p2p bytes: exact
+    assert rows["pp1 peak saved activations"]["predicted"] == plan.memory.ranks[1].activation_bytes * 2
+
+
+def test_compare_rejects_another_layouts_metrics(pp2, run_metrics, tmp_path):
+    other = tmp_path / "one.yaml"
+    save_plan(make_plan(1, dict(pp=1, tp=1, cp=1, micro_batch=2)), other)
+    proc = moeplan("compare", str(other), str(run_metrics))
+    assert proc.returncode == 2 and "the run has 2 ranks, the plan 1" in proc.stderr
+
+
+def test_calibrate_writes_a_target_the_compiler_uses(tmp_path):
+    out = tmp_path / "cpu-calibrated.yaml"
+    proc = moeplan("calibrate", "--target", "cpu", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    target = load_target(str(out))
+    assert target.name == "cpu-calibrated" and target.backend == "cpu"
+    assert 1e8 < target.cube_flops < 1e12 and 1e7 < target.vector_flops < target.cube_flops
+    assert 1e-7 < target.launch.other_s < 1e-3 and target.intra_node.bandwidth_bytes_per_s > 1e7
+    plan = tmp_path / "plan.yaml"
+    proc = moeplan("compile", "tiny-pangu", "--target", str(out), "--devices", "2", "--pp", "2", "-o", str(plan))
+    assert proc.returncode == 0, proc.stderr
+    assert load_plan(plan).target == target
