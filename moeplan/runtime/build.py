@@ -33,7 +33,7 @@ from moeplan.models.init import initial_value
 from moeplan.plan import Plan
 from moeplan.runtime.expert_parallel import LocalExperts, ParallelMoE
 from moeplan.runtime.groups import ParallelGroups, RankCoords, check_layout_for_runtime, expert_shards
-from moeplan.runtime.parallel import CommLog, ParamShard, Sharded
+from moeplan.runtime.parallel import CommLog, ParamShard, Sharded, TPReplicated
 from moeplan.runtime.tensor_parallel import (ParallelEmbedding, ParallelHead, ParallelSwiGLU, ReplicatedLinear,
                                              ShardEnv, parallel_attention, sp_norm)
 from moeplan.spec import ModelSpec
@@ -67,7 +67,7 @@ class ParallelMTPBlock(nn.Module):
         self.embedding = ParallelEmbedding(env)
         self.hidden_norm = sp_norm(env)
         self.embed_norm = sp_norm(env)
-        self.proj = ReplicatedLinear(2 * h, h, env.tp_link)
+        self.proj = ReplicatedLinear(2 * h, h, bias=False)
         self.layer = ParallelDecoderLayer(env, moe=True, aux_loss_coeff=aux_loss_coeff)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -234,6 +234,20 @@ def rank_parameters(modules: dict[int, LayerDict], spec: ModelSpec) -> list[Rank
                 seen[id(param)] = RankParam(name=sources.get(local, f"{name}.{local}"), param=param, shard=shard,
                                             expert=isinstance(mod, LocalExperts))
     return list(seen.values())
+
+
+def tp_replicated_params(modules: dict[int, LayerDict]) -> list[nn.Parameter]:
+    """The parameters of this rank's :class:`~moeplan.runtime.parallel.TPReplicated` modules (norms, MLA down
+    projections, routers, MTP projections), each distinct parameter once, in stage/layer order — the same order on
+    every rank of a TP group. Their gradients must be summed over TP after the step's last backward."""
+    out: dict[int, nn.Parameter] = {}
+    for _, layer in _layers(modules):
+        for mod in layer.modules():
+            if isinstance(mod, TPReplicated):
+                for param in mod.parameters():
+                    if param.requires_grad:
+                        out.setdefault(id(param), param)
+    return list(out.values())
 
 
 def dense_and_expert_params(modules: dict[int, LayerDict]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

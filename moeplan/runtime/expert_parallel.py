@@ -7,7 +7,7 @@ Per forward, on a rank whose hidden state is its SP slice ``[b, s/(cp·tp), h]``
    same tokens; otherwise (``etp = 1``: plain EP or TP-extend-EP) the rank routes its own SP slice — under SP the
    TP ranks already hold different tokens, so the TP group extends the expert group without a gather.
 2. **Routing** with the model family's :class:`moeplan.models.Router` (same scores, ``select`` — top-k,
-   group-limited, MoGE — and gates), the gate weight's gradient summed over TP. Drop-and-pad
+   group-limited, MoGE — and gates), the gate weight's gradient summed over TP once per step. Drop-and-pad
    (``capacity_factor``) keeps, per expert, the first ``C`` slots of the WHOLE micro-batch in token order exactly
    as moeplan.models.TokenPermute: the chosen experts of all tp×cp ranks are all-gathered to decide it. The
    auxiliary load-balance loss uses micro-batch-wide expert shares (all-reduced), so its gradient is exact too.
@@ -24,15 +24,14 @@ rank (Megatron-LM instead all-to-alls first and gathers over etp after): same re
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeplan.errors import PlanError
 from moeplan.models import GroupedExperts, Router, expert_capacity
 from moeplan.models.moe import AttachAuxLoss
 from moeplan.runtime.context_parallel import local_positions
-from moeplan.runtime.parallel import (ParamShard, Sharded, all_gather, all_to_all, exchange_counts, gather_no_grad,
-                                      grad_all_reduce, reduce_scatter, split_range)
+from moeplan.runtime.parallel import (ParamShard, Sharded, TPReplicated, all_gather, all_to_all, exchange_counts,
+                                      gather_no_grad, reduce_scatter, split_range)
 from moeplan.runtime.tensor_parallel import ParallelSwiGLU, ShardEnv
 from moeplan.spec import ModelSpec
 
@@ -54,8 +53,9 @@ class LocalExperts(GroupedExperts, Sharded):
                              "w2": ParamShard(dim=1, start=start, size=size, experts=experts)}
 
 
-class ParallelRouter(Router):
-    """moeplan.models.Router with the gate's gradient summed over TP and a micro-batch-wide auxiliary loss.
+class ParallelRouter(Router, TPReplicated):
+    """moeplan.models.Router with a micro-batch-wide auxiliary loss; the gate is replicated over TP
+    (:class:`TPReplicated`: its gradient is summed over TP once per step).
 
     ``forward(x [T, h], own [T_own] rows of x that are this rank's tokens, num_tokens: tokens in the micro-batch)
     -> (idx [T, k], gates [T, k])``.
@@ -66,7 +66,7 @@ class ParallelRouter(Router):
         self.env = env
 
     def forward(self, x: torch.Tensor, own: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, grad_all_reduce(self.gate.weight, self.env.tp_link)).float()
+        logits = self.gate(x).float()
         scores = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(dim=-1)
         idx = self.select(scores)
         gates = scores.gather(1, idx)

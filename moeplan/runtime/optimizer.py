@@ -215,6 +215,23 @@ def param_entries(plan: Plan, modules: Mapping[int, nn.ModuleDict]) -> tuple[lis
     return dense, expert
 
 
+class ReplicatedGrads:
+    """Sums the gradients of this rank's TP-replicated parameters (moeplan.runtime.build.tp_replicated_params) over
+    its TP group once per step, after the last backward and before the optimizer: one flat all-reduce (Megatron-LM
+    ``finalize_model_grads`` / ``_allreduce_layernorm_grads`` for sequence parallelism), tallied as ``tp``."""
+
+    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, *, comm: CommTotals) -> None:
+        self.params, self.group, self.comm = list(params), group, comm
+
+    def sync(self) -> None:
+        from moeplan.runtime.parallel import all_reduce_grads
+
+        t0 = time.perf_counter()
+        nbytes = all_reduce_grads(self.params, self.group)
+        if nbytes:
+            self.comm.add("tp", time.perf_counter() - t0, nbytes)
+
+
 class TiedGrads:
     """Sums the gradients of parameter copies with their owners across PP ranks (moeplan.models.tied_parameters:
     the MTP embedding, the MTP head's output layer). Copies on the owner's rank share its Parameter (build.py) and

@@ -8,7 +8,7 @@ function               forward                      backward
 =====================  ===========================  ===========================
 ``all_gather``         all-gather along ``dim``     reduce-scatter (sum)
 ``reduce_scatter``     reduce-scatter (sum)         all-gather
-``grad_all_reduce``    identity                     all-reduce (sum)
+``gather_stats``       all-gather (new dim 0)       this rank's slice (no comm)
 ``value_all_reduce``   all-reduce (sum)             identity
 ``all_to_all``         all_to_all_single (splits)   all_to_all_single (splits swapped)
 =====================  ===========================  ===========================
@@ -18,6 +18,11 @@ Each takes a :class:`Link` (a group, and the comm class its payload bytes are ta
 tensors (gloo needs contiguous buffers; the flat all-gather / reduce-scatter work on dim 0 only, so the gathered dim
 is moved to the front and back). All-gather / reduce-scatter take equal sizes only (gloo has no uneven all-gather);
 ``all_to_all`` takes uneven and zero splits.
+
+Parameters replicated over TP whose ranks see different tokens (sequence-parallel norms, MLA down projections,
+the router, the MTP projection) are marked with :class:`TPReplicated`; their gradients are per-rank partial sums
+that :func:`all_reduce_grads` sums over TP ONCE per step, after the last backward, in one flat buffer (Megatron-LM
+``finalize_model_grads`` → ``_allreduce_layernorm_grads``), instead of one all-reduce per use and micro-batch.
 
 :class:`ParamShard` records which part of the single-process parameter a rank holds, so one rule materialises it
 (moeplan.runtime.build) and a checkpoint can name it.
@@ -138,16 +143,16 @@ class _ReduceScatter(torch.autograd.Function):
         return _gather(grad, ctx.dim, ctx.link.group), None, None
 
 
-class _GradAllReduce(torch.autograd.Function):
+class _GatherStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, link):
-        ctx.link = link
-        return x.view_as(x)
+        ctx.rank = group_rank(link.group)
+        link.record("all_gather", "fwd", x)
+        return _gather(x.unsqueeze(0), 0, link.group)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.link.record("all_reduce", "bwd", grad)
-        return _all_reduce(grad, ctx.link.group), None
+        return grad[ctx.rank], None
 
 
 class _ValueAllReduce(torch.autograd.Function):
@@ -191,26 +196,19 @@ def reduce_scatter(x: torch.Tensor, dim: int, link: Link) -> torch.Tensor:
     return x if link.group is None else _ReduceScatter.apply(x, dim, link)
 
 
-def grad_all_reduce(x: torch.Tensor, link: Link) -> torch.Tensor:
-    """Identity whose backward sums the gradient over the group (Megatron ``copy_to_tensor_model_parallel_region``).
+def gather_stats(x: torch.Tensor, link: Link) -> torch.Tensor:
+    """Stack every rank's ``x`` into ``[world, *x.shape]`` (group-rank order); backward keeps only this rank's slice.
 
-    Wraps each use of a parameter replicated over a group whose ranks see different tokens or different shards
-    downstream, so every rank ends with the full gradient of the replicated parameter.
+    For statistics every rank reduces the same way into the same value (e.g. the vocab-parallel cross-entropy's
+    per-shard log-sum-exp): each rank's backward then owns the gradient of its own entries, as with
+    :func:`value_all_reduce`, and no backward collective is needed.
     """
-    return x if link.group is None else _GradAllReduce.apply(x, link)
+    return x.unsqueeze(0) if link.group is None else _GatherStats.apply(x, link)
 
 
 def value_all_reduce(x: torch.Tensor, link: Link) -> torch.Tensor:
     """Sum ``x`` over the group; backward passes the gradient through unchanged (each rank keeps its own part)."""
     return x if link.group is None else _ValueAllReduce.apply(x, link)
-
-
-def max_all_reduce(x: torch.Tensor, link: Link) -> torch.Tensor:
-    """Element-wise max over the group, in place, no gradient."""
-    if link.group is not None:
-        link.record("all_reduce", "fwd", x)
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=link.group)
-    return x
 
 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], link: Link) -> torch.Tensor:
@@ -239,6 +237,31 @@ def gather_no_grad(x: torch.Tensor, link: Link) -> torch.Tensor:
         return x
     link.record("all_gather", "fwd", x)
     return _gather(x.detach(), 0, link.group)
+
+
+class TPReplicated:
+    """Mixin of a module whose parameters (recursively) are replicated whole over TP while each TP rank feeds them
+    different tokens or head shards: their gradients are per-rank partial sums until :func:`all_reduce_grads` sums
+    them (collected by moeplan.runtime.build.tp_replicated_params)."""
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], group: Group) -> int:
+    """Sum the gradients of ``params`` over ``group`` in one flat all-reduce (``None`` grads count as zero and are
+    filled); returns the payload bytes (0 for one rank or no parameters). Every rank of the group must pass the
+    same parameters in the same order (Megatron-LM ``_allreduce_layernorm_grads``: flatten, all-reduce, unflatten).
+    """
+    if group is None or group_size(group) == 1 or not params:
+        return 0
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+    return flat.numel() * flat.element_size()
 
 
 # ---- shards -------------------------------------------------------------------------------------------------------

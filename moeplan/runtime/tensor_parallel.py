@@ -6,12 +6,14 @@ projections (output features split, heads split for attention), a row-parallel p
 partial sums) and reduce-scatters the partial sums back to the SP slice. Norms and residual adds run on the SP slice.
 
 Parameters replicated over TP (norm gains, the MLA down projections and their norms, the router, the MTP
-projection) see different tokens or feed different head shards on each TP rank; their uses are wrapped in
-:func:`~moeplan.runtime.parallel.grad_all_reduce` so every TP rank ends with the full gradient.
+projection) see different tokens or feed different head shards on each TP rank; their modules are marked
+:class:`~moeplan.runtime.parallel.TPReplicated` and their gradients summed over TP once per step, after the last
+backward (:func:`~moeplan.runtime.parallel.all_reduce_grads`, Megatron-LM ``finalize_model_grads``).
 
 Embedding and output layer are vocab-parallel (rows ``[t·V/tp, (t+1)·V/tp)`` on TP rank t); the cross-entropy is
 vocab-parallel (Megatron-LM ``_VocabParallelCrossEntropy``): max, sum of exponentials and the target logit are
-all-reduced over TP, so logits are never gathered. Every block keeps the parameter names of its single-process
+combined over TP, so logits are never gathered: one all-gather of per-shard ``[log-sum-exp, target logit]``
+per micro-batch instead of Megatron's three all-reduces. Every block keeps the parameter names of its single-process
 counterpart in moeplan.models, with the shard each rank holds recorded as a :class:`ParamShard`.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ from moeplan.plan import PlanLayout
 from moeplan.runtime.context_parallel import (cp_attention, cp_positions, gathered_key_positions, local_positions,
                                               rotary_at)
 from moeplan.runtime.groups import ParallelGroups, RankCoords
-from moeplan.runtime.parallel import (CommLog, Link, ParamShard, Sharded, all_gather, grad_all_reduce, max_all_reduce,
+from moeplan.runtime.parallel import (CommLog, Link, ParamShard, Sharded, TPReplicated, all_gather, gather_stats,
                                       reduce_scatter, split_range, value_all_reduce)
 from moeplan.spec import ModelSpec
 
@@ -108,30 +110,16 @@ class RowLinear(nn.Linear, Sharded):
         self.param_shards = {"weight": ParamShard(dim=1, start=start, size=size)}
 
 
-class ReplicatedLinear(nn.Linear):
-    """A linear replicated over ``link``'s group whose gradient is summed over it (see the module docstring)."""
-
-    def __init__(self, in_features: int, out_features: int, link: Link) -> None:
-        super().__init__(in_features, out_features, bias=False)
-        self.link = link
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, grad_all_reduce(self.weight, self.link))
+class ReplicatedLinear(nn.Linear, TPReplicated):
+    """A linear replicated over TP; its gradient is a per-rank partial sum until the step's TP all-reduce."""
 
 
-class ReplicatedNorm(nn.RMSNorm):
-    """RMSNorm replicated over ``link``'s group (sequence-parallel norm); the gain's gradient is summed over it."""
-
-    def __init__(self, size: int, eps: float, link: Link) -> None:
-        super().__init__(size, eps=eps)
-        self.link = link
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, grad_all_reduce(self.weight, self.link), self.eps)
+class ReplicatedNorm(nn.RMSNorm, TPReplicated):
+    """RMSNorm replicated over TP (sequence-parallel norm); the gain's gradient is summed over TP once per step."""
 
 
 def sp_norm(env: ShardEnv) -> ReplicatedNorm:
-    return ReplicatedNorm(env.spec.hidden_size, env.spec.norm_eps, env.tp_link)
+    return ReplicatedNorm(env.spec.hidden_size, eps=env.spec.norm_eps)
 
 
 class ParallelSwiGLU(nn.Module):
@@ -164,20 +152,20 @@ class ParallelMLA(nn.Module):
 
     def __init__(self, env: ShardEnv) -> None:
         super().__init__()
-        spec, tp_link = env.spec, env.tp_link
+        spec = env.spec
         h, n = spec.hidden_size, spec.num_heads
         _require_divisible(n, env.tp, "the attention heads")
         self.env, self.heads = env, n // env.tp
         self.nope, self.rope_dim, self.v_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
         self.kv_lora_rank, self.q_lora_rank = spec.kv_lora_rank, spec.q_lora_rank
         if spec.q_lora_rank:
-            self.q_a = ReplicatedLinear(h, spec.q_lora_rank, tp_link)
-            self.q_a_norm = ReplicatedNorm(spec.q_lora_rank, spec.norm_eps, tp_link)
+            self.q_a = ReplicatedLinear(h, spec.q_lora_rank, bias=False)
+            self.q_a_norm = ReplicatedNorm(spec.q_lora_rank, eps=spec.norm_eps)
             self.q_b = ColumnLinear(spec.q_lora_rank, n * spec.qk_head_dim, env)
         else:
             self.q_proj = ColumnLinear(h, n * spec.qk_head_dim, env)
-        self.kv_a = ReplicatedLinear(h, spec.kv_lora_rank + spec.qk_rope_head_dim, tp_link)
-        self.kv_norm = ReplicatedNorm(spec.kv_lora_rank, spec.norm_eps, tp_link)
+        self.kv_a = ReplicatedLinear(h, spec.kv_lora_rank + spec.qk_rope_head_dim, bias=False)
+        self.kv_norm = ReplicatedNorm(spec.kv_lora_rank, eps=spec.norm_eps)
         self.kv_b = ColumnLinear(spec.kv_lora_rank, n * (spec.qk_nope_head_dim + spec.v_head_dim), env)
         self.o_proj = RowLinear(n * spec.v_head_dim, h, env)
         self.scale, self.theta = spec.qk_head_dim ** -0.5, spec.rope_theta
@@ -219,8 +207,8 @@ class ParallelGQA(nn.Module):
         if self.split_kv:
             self.k_proj, self.v_proj = ColumnLinear(h, n_kv * d, env), ColumnLinear(h, n_kv * d, env)
         else:
-            self.k_proj = ReplicatedLinear(h, n_kv * d, env.tp_link)
-            self.v_proj = ReplicatedLinear(h, n_kv * d, env.tp_link)
+            self.k_proj = ReplicatedLinear(h, n_kv * d, bias=False)
+            self.v_proj = ReplicatedLinear(h, n_kv * d, bias=False)
         self.o_proj = RowLinear(n * d, h, env)
         self.scale, self.theta = d ** -0.5, spec.rope_theta
 
@@ -281,18 +269,19 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, 
                                  link: Link) -> torch.Tensor:
     """Per-token cross-entropy ``[N]`` (0 where ``labels == IGNORE_INDEX``) from vocab-sharded ``logits [N, V/tp]``.
 
-    ``log Σ_v exp(z_v) − z_label`` with the max, the exponential sum and the label's logit all-reduced over TP
-    (Megatron-LM ``_VocabParallelCrossEntropy``); every TP rank gets the same value and, in backward, the gradient
-    of its own vocabulary shard.
+    ``log Σ_v exp(z_v) − z_label`` (Megatron-LM ``_VocabParallelCrossEntropy``) with ONE collective: each TP rank
+    computes its shard's max ``m_r`` (no gradient), ``l_r = log Σ_{v∈r} exp(z_v − m_r)`` and its label logit (0 when
+    the label is elsewhere); :func:`gather_stats` stacks the three over TP and every rank forms
+    ``logsumexp_r(m_r + l_r) − Σ_r z_label,r``, the same value everywhere. In backward each rank keeps the gradient
+    of its own stats, hence of its own vocabulary shard.
     """
-    shift = max_all_reduce(logits.detach().max(dim=-1).values, link)
-    z = logits - shift.unsqueeze(-1)
-    sum_exp = value_all_reduce(z.exp().sum(-1), link)
+    shift = logits.detach().max(dim=-1).values
+    lse = (logits - shift.unsqueeze(-1)).exp().sum(-1).log() + shift
     local = labels - vocab_start
     inside = (local >= 0) & (local < logits.shape[-1])
-    picked = z.gather(1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * inside
-    picked = value_all_reduce(picked, link)
-    return (sum_exp.log() - picked) * (labels != IGNORE_INDEX)
+    picked = logits.gather(1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * inside
+    stats = gather_stats(torch.stack((lse, picked), dim=-1), link)  # [tp, N, 2]
+    return (stats[..., 0].logsumexp(0) - stats[..., 1].sum(0)) * (labels != IGNORE_INDEX)
 
 
 class ParallelHead(nn.Module):

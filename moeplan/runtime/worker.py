@@ -5,7 +5,8 @@ cluster; reads RANK / WORLD_SIZE / LOCAL_RANK from the environment, initialises 
 backend (gloo, nccl or hccl) with an explicit timeout, and :func:`train` runs the steps.
 
 One step: the global batch of the step (moeplan.runtime.data) → this rank's micro-batches → the action list
-(:class:`~moeplan.runtime.executor.PipelineExecutor`) → tied-gradient sums across PP → the distributed optimizer
+(:class:`~moeplan.runtime.executor.PipelineExecutor`) → one TP all-reduce of the TP-replicated parameters'
+gradients → tied-gradient sums across PP → the distributed optimizer
 (ZeRO-1 AdamW, clipping) → an all-gather of every rank's measurements → rank 0 writes the JSON line and advances
 the progress bar; every ``checkpoint_every`` steps a checkpoint.
 """
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moeplan.plan import Plan, load_plan
-from moeplan.runtime.build import LayerDict, build_rank_modules
+from moeplan.runtime.build import LayerDict, build_rank_modules, tp_replicated_params
 from moeplan.runtime.checkpoint import load_checkpoint, newest_checkpoint, rank_state, save_checkpoint
 from moeplan.runtime.data import MicroBatch, check_tokens, global_batch, load_tokens, rank_microbatches
 from moeplan.runtime.executor import PipelineExecutor, recompute_call
@@ -33,7 +34,7 @@ from moeplan.runtime.launch import DIST_BACKEND, RunRequest, check_runnable
 from moeplan.runtime.metrics import (CommTotals, RankStep, SavedActivationMeter, StepRecord, rank_step_from_vector,
                                      rank_step_vector)
 from moeplan.runtime.parallel import CommLog
-from moeplan.runtime.optimizer import DistributedAdamW, OptimConfig, TiedGrads, param_entries
+from moeplan.runtime.optimizer import DistributedAdamW, OptimConfig, ReplicatedGrads, TiedGrads, param_entries
 
 #: process-group kind -> comm class of the collectives on it (ParallelGroups fields)
 
@@ -69,6 +70,7 @@ class RankSetup:
     executor: PipelineExecutor
     optimizer: DistributedAdamW
     ties: TiedGrads
+    replicated: ReplicatedGrads
     comm: CommTotals
     layer_log: CommLog
     meter: SavedActivationMeter
@@ -87,12 +89,13 @@ def setup_rank(plan: Plan, request: RunRequest, *, device: torch.device) -> Rank
                                  grad_scale=1.0 / lay.dp, config=OptimConfig(lr=request.lr), comm=comm,
                                  device=device)
     ties = TiedGrads(plan, modules, rank=rank, comm=comm, timeout=timeout)
+    replicated = ReplicatedGrads(tp_replicated_params(modules), groups.tp, comm=comm)
     meter = SavedActivationMeter([e.param for e in dense + expert])
     mode = plan.memory.ranks[coords.pp_rank].recompute
     executor = PipelineExecutor(plan, pp_rank=coords.pp_rank, pp_ranks=groups.pp_ranks, modules=modules, meter=meter,
                                 comm_classes=in_layer_classes(groups), localize=lambda mb: _to(mb, device),
                                 call=recompute_call(mode, meter), device=device)
-    return RankSetup(coords, groups, modules, executor, optimizer, ties, comm, layer_log, meter)
+    return RankSetup(coords, groups, modules, executor, optimizer, ties, replicated, comm, layer_log, meter)
 
 
 def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
@@ -111,6 +114,7 @@ def run_one_step(plan: Plan, setup: RankSetup, tokens: torch.Tensor, step: int, 
     mbs = rank_microbatches(batch, dp_rank=coords.dp_rank, dp=lay.dp, micro_batch=lay.micro_batch)
     loss_sum, times = setup.executor.run_step(mbs, setup.comm, metered=metered)
     t1 = time.perf_counter()
+    setup.replicated.sync()
     setup.ties.sync()
     norm = setup.optimizer.step()
     setup.optimizer.zero_grad()

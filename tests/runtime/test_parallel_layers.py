@@ -3,7 +3,8 @@ single-process MoEModel, float64, same seed and data.
 
 Two process worlds are started once per module (2 and 4 ranks, torch.multiprocessing.spawn); each runs several
 layouts in turn, rebuilding groups and modules per layout. Every rank compares its loss with the reference loss of
-its micro-batch and every gradient it holds — dense gradients summed over dp_cp, expert gradients over expert_dp,
+its micro-batch and every gradient it holds — the TP-replicated gradients first summed over TP (the step's flat
+all-reduce, moeplan.runtime.parallel.all_reduce_grads), then dense gradients summed over dp_cp, expert gradients over expert_dp,
 both divided by dp (the contract of moeplan.runtime.tensor_parallel.ParallelHead) — with the matching shard of the
 reference gradient (mean loss over the DP micro-batches).
 """
@@ -25,11 +26,11 @@ from moeplan.compile import compile_model
 from moeplan.errors import PlanError
 from moeplan.models import DEFAULT_MTP_WEIGHT, ModelLosses, MoEModel
 from moeplan.plan import Plan
-from moeplan.runtime.build import LayerDict, build_rank_modules, rank_parameters
+from moeplan.runtime.build import LayerDict, build_rank_modules, rank_parameters, tp_replicated_params
 from moeplan.ir import named_layers
 from moeplan.models import TokenPermute
 from moeplan.runtime.expert_parallel import capacity_keep
-from moeplan.runtime.parallel import CommLog
+from moeplan.runtime.parallel import CommLog, all_reduce_grads
 from moeplan.runtime.context_parallel import cp_positions, local_positions
 from moeplan.runtime.groups import check_layout_for_runtime, group_ranks, make_groups, rank_coords
 from moeplan.search import Fixed
@@ -144,13 +145,17 @@ def _check(case: Case, rank: int) -> dict:
         return out
     loss = _stage_loss(modules[coords.pp_rank], spec, *_batch(spec, plan, coords.dp_rank))
     loss.backward()
+    replicated = tp_replicated_params(modules)
+    tp_bytes = all_reduce_grads(replicated, groups.tp)
     _reduce_grads(params, groups, plan.layout.dp)
     ref_losses = _reference(model, case, plan.layout.dp)
     ref_loss = ref_losses[coords.dp_rank]
     worst, worst_name = _max_rel_err(params, model, "grad")
     return dict(out, loss=loss.item(), ref_loss=ref_loss, loss_err=abs(loss.item() - ref_loss) / abs(ref_loss),
                 grad_err=worst, worst_param=worst_name, wall_s=time.perf_counter() - t0,
-                comm_bytes={"/".join(k): v for k, v in comm.bytes.items()})
+                comm_bytes={"/".join(k): v for k, v in comm.bytes.items()},
+                comm_calls={"/".join(k): v for k, v in comm.calls.items()}, tp_grad_bytes=tp_bytes,
+                replicated_numel=sum(p.numel() for p in replicated))
 
 
 def _worker(rank: int, world: int, init_file: str, cases: list[Case], out_dir: str) -> None:
@@ -238,10 +243,15 @@ def test_comm_log_counts_the_documented_collectives(world2):
                - moe_layers * 2 * 4 * 8 for r in ranks)  # backward: the same rows, no counts exchange
     assert not any(key.startswith(("tp/", "cp/")) for r in ranks for key in r["comm_bytes"])
     # TP 2 + SP: one all-gather of the SP slice [b, s/2, h] per attention, per FFN (dense, or the shared expert)
-    # and per head (main and MTP)
+    # and per head (main and MTP), plus per head the cross-entropy's one gather of fp32 [b·s, 2] statistics; no
+    # per-use gradient all-reduce: the replicated gradients go in one flat all-reduce after backward
     for res in world2["tp2_sp"]:
         heads = 1 + TINY.num_mtp_layers
-        assert res["comm_bytes"]["tp/all_gather/fwd"] == (2 * decoder_layers + heads) * b * (s // 2) * h * f64
+        assert res["comm_bytes"]["tp/all_gather/fwd"] == ((2 * decoder_layers + heads) * b * (s // 2) * h * f64
+                                                          + heads * b * s * 2 * 4)
+        assert res["comm_calls"]["tp/all_gather/fwd"] == 2 * decoder_layers + 2 * heads
+        assert not any(key.startswith("tp/all_reduce") for key in res["comm_calls"])
+        assert res["tp_grad_bytes"] == res["replicated_numel"] * f64 > 0
         assert res["comm_bytes"]["ep/all_gather/fwd"] == moe_layers * b * (s // 2) * h * f64  # expert-TP gather
 
 
