@@ -11,6 +11,17 @@ and the launch costs (``launch.matmul_s`` for cube ops, ``launch.other_s`` other
 Huawei's Ascend/msmodeling: compute 0.7, memory 0.6, 5 µs matmul, 2 µs other; FACTS §2). An op with no FLOPs and no
 bytes (a view, a reshape) costs nothing and launches no kernel.
 
+Launch granularity is a property of the target's runtime (``Target.launch.granularity``, targets/__init__.py): on
+accelerators (``"op"``) one traced op is one production kernel (fused attention, norm, grouped GEMM), so the launch
+above is paid once per op and pass. An eager runtime (``"kernel"``: the ``cpu`` emulator) dispatches every aten op
+of the op's eager code — measured at trace time as ``OpAnnotation.fwd_kernels`` / ``bwd_input_kernels`` /
+``bwd_weight_kernels`` (tiny-pangu: ≈11 aten ops per traced op) — and pays ``launch.forward_kernel_s`` per forward
+kernel (dispatch + autograd recording) and ``launch.backward_kernel_s`` per backward kernel (autograd engine), views
+included; those costs are measured by ``moeplan calibrate``.
+
+Bytes: the IR counts bf16 (2 bytes per element, moeplan/ir.py); a target training in another dtype
+(``Target.training_dtype``, e.g. the fp32 cpu emulator) moves ``target.dtype_bytes / 2`` times as many bytes.
+
 Sources: the roofline is Williams, Waterman & Patterson, "Roofline: an insightful visual performance model for
 multicore architectures", CACM 52(4), 2009; the fixed launch costs and efficiencies are msmodeling's defaults.
 """
@@ -68,12 +79,13 @@ def matmul_efficiency(mnk: tuple[int, int, int] | None, *, alignment: int) -> fl
 
 
 def op_time_s(*, flops: float, bytes_moved: float, unit: Unit, mnk: tuple[int, int, int] | None,
-              target: Target) -> float:
+              target: Target, launch_s: float | None = None) -> float:
     """Seconds one device of ``target`` spends on an op of ``flops`` FLOPs that moves ``bytes_moved`` HBM bytes.
 
     ``max(flops / (peak(unit) · efficiency.compute · matmul_efficiency(mnk)), bytes / (hbm_bw · efficiency.memory))
     + launch`` (DESIGN §5; roofline, Williams et al. 2009). The alignment factor applies to ``cube`` ops only; the
-    launch is ``launch.matmul_s`` for cube ops and ``launch.other_s`` for vector ops. 0 FLOPs and 0 bytes cost 0.
+    launch is ``launch.matmul_s`` for cube ops and ``launch.other_s`` for vector ops, unless ``launch_s`` gives it
+    (the per-kernel launch of an eager target). 0 FLOPs and 0 bytes cost 0 plus an explicit ``launch_s``.
 
     Raises ValueError: negative flops or bytes, or an unknown unit.
     """
@@ -82,13 +94,14 @@ def op_time_s(*, flops: float, bytes_moved: float, unit: Unit, mnk: tuple[int, i
     if unit not in ("cube", "vector"):
         raise ValueError(f"unit={unit!r}: must be 'cube' or 'vector'")
     if flops == 0 and bytes_moved == 0:
-        return 0.0
+        return launch_s or 0.0
     if unit == "cube":
         peak = target.cube_flops * matmul_efficiency(mnk, alignment=target.matmul_alignment)
-        launch_s = target.launch.matmul_s
+        default_launch_s = target.launch.matmul_s
     else:
         peak = target.vector_flops
-        launch_s = target.launch.other_s
+        default_launch_s = target.launch.other_s
+    launch_s = default_launch_s if launch_s is None else launch_s
     compute_s = flops / (peak * target.efficiency.compute)
     memory_s = bytes_moved / (target.hbm_bandwidth_bytes_per_s * target.efficiency.memory)
     return max(compute_s, memory_s) + launch_s
@@ -121,6 +134,8 @@ def annotation_time_s(op: OpAnnotation, *, scale: float, target: Target, weight_
     - dW exists only for ops that own parameters (``param_count > 0``): ``bwd_weight_flops`` and the forward's bytes
       (a GEMM's dW reads X and dY and writes dW). The embedding's dW is a scatter-add: bytes, no FLOPs.
     - COLLECTIVE nodes cost 0 here: communication is costed by ``cost_models.comm``.
+    - Bytes are scaled to the target's training dtype (``target.dtype_bytes / 2``); on a ``"kernel"``-granularity
+      target each pass pays its kernel count times the forward / backward per-kernel launch (module docstring).
 
     Raises ValueError: ``scale``, ``weight_scale`` or ``m_scale`` <= 0.
     """
@@ -132,11 +147,24 @@ def annotation_time_s(op: OpAnnotation, *, scale: float, target: Target, weight_
     unit: Unit = "cube" if op.unit == "cube" else "vector"
     mnk = scaled_mnk(op.matmul_mnk, scale=scale if m_scale is None else m_scale)
     weight_bytes = min(2 * op.param_count, op.bytes_read)
-    bytes_moved = (op.bytes_read + op.bytes_written - weight_bytes) * scale + weight_bytes * weight_scale
-    fwd = op_time_s(flops=op.fwd_flops * scale, bytes_moved=bytes_moved, unit=unit, mnk=mnk, target=target)
+    bytes_moved = ((op.bytes_read + op.bytes_written - weight_bytes) * scale + weight_bytes * weight_scale) \
+        * target.dtype_bytes / 2
+    launches = _launches(op, target)
+    fwd = op_time_s(flops=op.fwd_flops * scale, bytes_moved=bytes_moved, unit=unit, mnk=mnk, target=target,
+                    launch_s=launches[0])
     has_dx = op.op_kind != OpKind.EMBEDDING
     dx = op_time_s(flops=op.bwd_input_flops * scale, bytes_moved=bytes_moved, unit=unit, mnk=mnk,
-                   target=target) if has_dx else 0.0
+                   target=target, launch_s=launches[1]) if has_dx else 0.0
     dw = op_time_s(flops=op.bwd_weight_flops * scale, bytes_moved=bytes_moved, unit=unit, mnk=mnk,
-                   target=target) if op.param_count > 0 else 0.0
+                   target=target, launch_s=launches[2]) if op.param_count > 0 else 0.0
     return (fwd, dx, dw)
+
+
+def _launches(op: OpAnnotation, target: Target) -> tuple[float | None, float | None, float | None]:
+    """Launch seconds of (forward, dX, dW): None (the per-op default of ``op_time_s``) on an ``"op"`` target,
+    kernels × per-kernel cost on a ``"kernel"`` target."""
+    launch = target.launch
+    if launch.granularity == "op":
+        return (None, None, None)
+    return (op.fwd_kernels * launch.forward_kernel_s, op.bwd_input_kernels * launch.backward_kernel_s,
+            op.bwd_weight_kernels * launch.backward_kernel_s)

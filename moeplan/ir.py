@@ -63,6 +63,15 @@ class OpAnnotation:
     node creates internally; ``saved_inputs`` names the producer nodes whose outputs it keeps (count those once per
     layer: two consumers of one tensor save it once). ``matmul_mnk`` is (M, N, K) of the dominant GEMM for alignment
     efficiency, or None. ``causal`` marks attention whose FLOPs were halved for the causal mask (FACTS §4.1).
+    ``fwd_kernels`` / ``bwd_input_kernels`` / ``bwd_weight_kernels``: aten ops eager PyTorch dispatches for the
+    node's forward, its dX and its dW (counted at trace time below autograd, moeplan/trace.py); a target whose
+    ``launch.granularity`` is ``"kernel"`` (an eager runtime) pays its launch cost per kernel, one independent of the
+    token count. ``saved_fixed_bytes`` / ``output_fixed_bytes``: the parts of ``saved_bytes`` /
+    ``output_bytes`` not in the bf16 activation dtype (integer indices, fp32 upcasts such as the loss's
+    log-probabilities and a norm's rstd), which keep their size in any training dtype. ``eager_saved_bytes``: the internal saved bytes of
+    the node's eager code when they differ from the production kernel's (attention: the math path keeps the
+    probabilities, upcast to fp32 — ``eager_saved_fixed_bytes`` is that set's part outside bf16; None: same as
+    ``saved_bytes``); an eager runtime keeps these.
     """
 
     name: str
@@ -81,6 +90,13 @@ class OpAnnotation:
     shard: ShardHint
     matmul_mnk: tuple[int, int, int] | None = None
     causal: bool = False
+    fwd_kernels: int = 1
+    bwd_input_kernels: int = 1
+    bwd_weight_kernels: int = 1
+    saved_fixed_bytes: int = 0
+    eager_saved_bytes: int | None = None
+    eager_saved_fixed_bytes: int = 0
+    output_fixed_bytes: int = 0
 
     @property
     def unit(self) -> str:
@@ -96,7 +112,10 @@ class LayerGraph:
     ``param_count``: parameters owned by this layer (routed experts included); ``expert_param_count``: the routed
     experts' share; ``activated_param_count``: parameters one token touches (top-k of the routed experts);
     ``shared_param_count``: copies of parameters owned elsewhere (the MTP's embedding, the MTP head's output
-    layer) that still occupy memory on the stage holding this layer.
+    layer) that still occupy memory on the stage holding this layer. ``param_tensor_count``: parameter tensors
+    owned by this layer (an eager optimizer pays per-tensor work: flattening, copying back).
+    ``grad_fanout_adds``: gradient additions autograd runs in backward where one floating-point tensor feeds several
+    ops (a tensor with ``u`` consumers gets ``u - 1`` adds; eager backward runs each as one kernel).
     """
 
     kind: LayerKind
@@ -107,6 +126,8 @@ class LayerGraph:
     expert_param_count: int
     activated_param_count: int
     shared_param_count: int = 0
+    param_tensor_count: int = 0
+    grad_fanout_adds: int = 0
 
     @property
     def fwd_flops(self) -> float:

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 import torch.utils.flop_counter as flop_counter
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from moeplan.errors import SpecError
@@ -87,7 +88,11 @@ class _Measured:
     fwd_flops: float
     bwd_input_flops: float
     bwd_weight_flops: float
+    fwd_kernels: int
+    bwd_input_kernels: int
+    bwd_weight_kernels: int
     saved_bytes: int
+    saved_fixed_bytes: int
     saved_inputs: tuple[str, ...]
     gemm: tuple[int, int, int] | None
 
@@ -125,10 +130,24 @@ def _gemm_mapping(gemms: list[tuple[int, int, int, int]]) -> dict:
     return {aten.mm: mm, aten.addmm: addmm, aten.bmm: bmm, aten.baddbmm: baddbmm}
 
 
-def _counted(fn: Callable[[], object], mapping: dict | None = None) -> tuple[object, int]:
-    with flop_counter.FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+class _KernelCount(TorchDispatchMode):
+    """Counts the aten ops dispatched below autograd: what eager PyTorch launches, one kernel each (views included:
+    each is a dispatch on the eager path, though it moves no data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (the dispatch protocol)
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counted(fn: Callable[[], object], mapping: dict | None = None) -> tuple[object, int, int]:
+    """(result, FLOPs, aten kernels) of ``fn``."""
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=mapping) as counter, _KernelCount() as kernels:
         out = fn()
-    return out, counter.get_total_flops()
+    return out, counter.get_total_flops(), kernels.count
 
 
 class _SavedLog:
@@ -139,6 +158,7 @@ class _SavedLog:
         self.param_ids = {_storage_id(p) for p in params}
         self.input_ids = {_storage_id(t): name for t, name in inputs if name is not None}
         self.internal: dict[int, int] = {}
+        self.fixed: set[int] = set()  # storages not in ACT_DTYPE (indices, fp32 upcasts): size independent of it
         self.producers: dict[str, None] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -147,21 +167,28 @@ class _SavedLog:
             self.producers[self.input_ids[sid]] = None
         elif sid not in self.param_ids:
             self.internal[sid] = max(self.internal.get(sid, 0), t.untyped_storage().nbytes())
+            if t.dtype != ACT_DTYPE:
+                self.fixed.add(sid)
         return t
+
+    def fixed_bytes(self) -> int:
+        return sum(b for sid, b in self.internal.items() if sid in self.fixed)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
-def _grad_flops(outputs: list[torch.Tensor], wrt: list[torch.Tensor], retain: bool) -> int:
-    """FLOPs of ``autograd.grad(outputs, wrt)`` with gradients of ones; 0 when nothing connects them."""
+def _grad_flops(outputs: list[torch.Tensor], wrt: list[torch.Tensor], retain: bool) -> tuple[int, int]:
+    """(FLOPs, aten kernels) of ``autograd.grad(outputs, wrt)`` with gradients of ones; 0 when nothing connects
+    them."""
     outs = [o for o in outputs if o.requires_grad]
     wrt = [w for w in wrt if w.requires_grad]
     if not outs or not wrt:
-        return 0
+        return 0, 0
     grads = [torch.ones_like(o) for o in outs]
-    _, flops = _counted(lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=retain, allow_unused=True))
-    return flops
+    _, flops, kernels = _counted(lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=retain,
+                                                             allow_unused=True))
+    return flops, kernels
 
 
 def measure_node(run: Callable[[], object], inputs: list[tuple[torch.Tensor, str | None]],
@@ -170,22 +197,24 @@ def measure_node(run: Callable[[], object], inputs: list[tuple[torch.Tensor, str
     gemms: list[tuple[int, int, int, int]] = []
     log = _SavedLog(inputs, params)
     with torch.enable_grad(), log.hooks():
-        out, fwd = _counted(run, _gemm_mapping(gemms))
+        out, fwd, fwd_k = _counted(run, _gemm_mapping(gemms))
     outs = [o for o in _tensors(out) if o.is_floating_point()]
     with torch.enable_grad():
-        dx = _grad_flops(outs, [t for t, _ in inputs], retain=True)
-        full = _grad_flops(outs, [t for t, _ in inputs] + params, retain=False)
+        dx, dx_k = _grad_flops(outs, [t for t, _ in inputs], retain=True)
+        full, full_k = _grad_flops(outs, [t for t, _ in inputs] + params, retain=False)
     gemm = max(gemms, key=lambda g: g[0] * g[1] * g[2] * g[3])[:3] if gemms else None
-    return out, _Measured(fwd, dx, full - dx, sum(log.internal.values()), tuple(log.producers), gemm)
+    return out, _Measured(fwd, dx, full - dx, fwd_k, dx_k, max(0, full_k - dx_k), sum(log.internal.values()),
+                          log.fixed_bytes(), tuple(log.producers), gemm)
 
 
 def measure_saved(run: Callable[[], object],
-                  inputs: list[tuple[torch.Tensor, str | None]]) -> tuple[int, tuple[str, ...]]:
-    """Saved-for-backward of ``run`` alone: (internal bytes, producers of saved inputs)."""
+                  inputs: list[tuple[torch.Tensor, str | None]]) -> tuple[int, int, tuple[str, ...]]:
+    """Saved-for-backward of ``run`` alone: (internal bytes, the part not in ACT_DTYPE, producers of saved
+    inputs)."""
     log = _SavedLog(inputs, [])
     with torch.enable_grad(), log.hooks():
         run()
-    return sum(log.internal.values()), tuple(log.producers)
+    return sum(log.internal.values()), log.fixed_bytes(), tuple(log.producers)
 
 
 # ---- one layer -----------------------------------------------------------------------------------------------------
@@ -272,10 +301,10 @@ class _CostProp(ShapeProp):
         args, kwargs, inputs, params = self._materialize(n)
         kind = _op_kind(self.module, n)
         out, m = measure_node(lambda: getattr(self, n.op)(n.target, args, kwargs), inputs, params)
-        saved_bytes, saved_inputs, causal = m.saved_bytes, m.saved_inputs, False
+        saved_bytes, saved_fixed, saved_inputs, causal = m.saved_bytes, m.saved_fixed_bytes, m.saved_inputs, False
         if kind == OpKind.ATTENTION:  # saved set of the fused kernel; FLOPs halved for the causal mask
             core = self.module.get_submodule(str(n.target))
-            saved_bytes, saved_inputs = measure_saved(lambda: core.fused_kernel(*args), inputs)
+            saved_bytes, saved_fixed, saved_inputs = measure_saved(lambda: core.fused_kernel(*args), inputs)
             causal = core.causal
         scale = 0.5 if causal else 1.0
         outs, in_tensors = _tensors(out), [t for t, _ in inputs]
@@ -287,7 +316,10 @@ class _CostProp(ShapeProp):
             bytes_read=0 if is_view else _nbytes(in_tensors) + _nbytes(params),
             bytes_written=0 if is_view else _nbytes(outs), output_bytes=_nbytes(outs), saved_bytes=saved_bytes,
             saved_inputs=saved_inputs, param_count=sum(p.numel() for p in params),
-            shard=_shard_hint(self.root, path, n.op == "call_module"), matmul_mnk=m.gemm, causal=causal)
+            shard=_shard_hint(self.root, path, n.op == "call_module"), matmul_mnk=m.gemm, causal=causal,
+            fwd_kernels=m.fwd_kernels, bwd_input_kernels=m.bwd_input_kernels, bwd_weight_kernels=m.bwd_weight_kernels,
+            saved_fixed_bytes=saved_fixed, eager_saved_bytes=m.saved_bytes, eager_saved_fixed_bytes=m.saved_fixed_bytes,
+            output_fixed_bytes=_nbytes([o for o in outs if o.dtype != ACT_DTYPE]))
 
 
 def representative_layer(spec: ModelSpec, kind: LayerKind) -> str:
@@ -314,13 +346,26 @@ def input_bytes(spec: ModelSpec, kind: LayerKind, *, seq_len: int) -> int:
     return seq_len * spec.hidden_size * torch.finfo(ACT_DTYPE).bits // 8
 
 
-def _param_stats(spec: ModelSpec, module: nn.Module, name: str) -> tuple[int, int, int, int]:
-    """(owned params, routed-expert params, activated params, copies of other pieces' params)."""
-    shared = sum(module.get_parameter(local).numel() for local in shared_sources(spec, name))
+def _param_stats(spec: ModelSpec, module: nn.Module, name: str) -> tuple[int, int, int, int, int]:
+    """(owned params, routed-expert params, activated params, copies of other pieces' params, owned tensors)."""
+    sources = shared_sources(spec, name)
+    shared = sum(module.get_parameter(local).numel() for local in sources)
     owned = sum(p.numel() for p in module.parameters()) - shared
     expert = sum(p.numel() for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
     activated = owned - expert + (expert // spec.num_experts * spec.top_k if expert else 0)
-    return owned, expert, activated, shared
+    return owned, expert, activated, shared, sum(1 for _ in module.parameters()) - len(sources)
+
+
+def _fanout_adds(gm: torch.fx.GraphModule, hidden: str) -> int:
+    """Σ (consumers − 1) over the floating-point tensors of the layer (its hidden input and node outputs): the
+    gradient additions autograd runs where a tensor feeds several ops (see ``LayerGraph.grad_fanout_adds``)."""
+    adds = 0
+    for n in gm.graph.nodes:
+        meta = n.meta.get("tensor_meta")
+        floating = hasattr(meta, "dtype") and meta.dtype.is_floating_point
+        if floating and (n.op in _COMPUTE_OPS or n.name == hidden):
+            adds += max(0, sum(1 for u in n.users if u.op in _COMPUTE_OPS) - 1)
+    return adds
 
 
 def trace_layer(spec: ModelSpec, kind: LayerKind, *, seq_len: int) -> LayerGraph:
@@ -335,9 +380,10 @@ def trace_layer(spec: ModelSpec, kind: LayerKind, *, seq_len: int) -> LayerGraph
     hidden = next(n.name for n in gm.graph.nodes if n.op == "placeholder")
     prop = _CostProp(gm, root=module, kind=kind, hidden_input=hidden)
     prop.propagate(*_example_inputs(spec, kind, seq_len))
-    owned, expert, activated, shared = _param_stats(spec, module, name)
+    owned, expert, activated, shared, tensors = _param_stats(spec, module, name)
     return LayerGraph(kind=kind, gm=gm, ops=tuple(prop.ops), input_bytes=in_bytes, param_count=owned,
-                      expert_param_count=expert, activated_param_count=activated, shared_param_count=shared)
+                      expert_param_count=expert, activated_param_count=activated, shared_param_count=shared,
+                      param_tensor_count=tensors, grad_fanout_adds=_fanout_adds(gm, hidden))
 
 
 def layer_sequence(spec: ModelSpec) -> tuple[LayerKind, ...]:

@@ -8,7 +8,8 @@ target (compute model), then adds the in-layer collectives (comm model):
   (tp > 1 only when sp is off, which moeplan never chooses) it would be one all-reduce each way.
 - **EP** (Megatron-LM ``MoEAlltoAllTokenDispatcher``; MindSpeed ``--moe-tp-extend-ep``, FACTS §3): dispatch and
   combine all-to-alls over the ``ep·tp/etp`` expert shards, each moving the device's routed copies
-  (tokens · top_k · hidden · 2 bytes), in forward and again in backward; with expert-TP (etp > 1) the routed tokens
+  (tokens · top_k · hidden · 2 bytes), in forward and again in backward, after a small all-to-all of per-expert
+  token counts in forward; with expert-TP (etp > 1) the routed tokens
   are also all-gathered / reduce-scattered over the etp group.
 - **CP** (Megatron-LM context parallel, all-gather variant): K and V of the local heads are all-gathered over cp in
   forward and their gradients reduce-scattered in backward.
@@ -16,6 +17,14 @@ target (compute model), then adds the in-layer collectives (comm model):
 
 Work scaling per ShardHint (moeplan/ir.py): every op scales by micro_batch / cp; TP and EXPERT ops also by 1/tp
 (balanced routing spreads expert work evenly over the tp·cp ranks of a DP replica); SP ops by 1/tp.
+
+Training dtype: the IR counts bf16; activation, saved and message bytes are scaled to ``target.dtype_bytes`` (the
+cpu emulator trains in fp32), bytes the trace saw outside bf16 excepted (indices; fp32 upcasts such as the loss's
+log-probabilities and a norm's rstd). Eager runtime (``target.launch.granularity ==
+"kernel"``): backward also pays one kernel per gradient fan-out addition (``LayerGraph.grad_fanout_adds``, in dX)
+and one AccumulateGrad kernel per parameter tensor (``param_tensor_count``, in dW), each at
+``launch.backward_kernel_s``; and saved bytes are the eager code's (``OpAnnotation.eager_saved_bytes``: CPU
+attention keeps its probabilities), as the runtime's autograd keeps them.
 """
 from __future__ import annotations
 
@@ -31,6 +40,7 @@ from moeplan.state import CommOp, LayerCost, PlanState, Sharding
 from moeplan.targets import Target
 
 ACT_BYTES = 2  # bf16 activations
+COUNT_BYTES = 8  # one int64 token count per expert, exchanged before each dispatch
 #: ops recomputed under "selective" recompute: cheap to redo, expensive to keep (MindSpeed --recompute-norm,
 #: --recompute-activation-function; Megatron-LM selective core-attention recompute, arXiv 2205.05198 §5)
 SELECTIVE_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.NORM, OpKind.ATTENTION})
@@ -89,11 +99,14 @@ def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Targe
         fwd, dx, dw = fwd + f, dx + i, dw + w
         flops += s * (op.fwd_flops + op.bwd_input_flops + op.bwd_weight_flops)
         fwd_flops += s * op.fwd_flops
-        workspace = max(workspace, int(2 * op.output_bytes * s))
+        workspace = max(workspace, int(2 * _dtype_scaled(op.output_bytes, op.output_fixed_bytes, target) * s))
         if op.op_kind in SELECTIVE_KINDS:
             sel_s += f
             sel_flops += s * op.fwd_flops
-    saved, saved_sel = _saved_bytes(lg, layout)
+    if target.launch.granularity == "kernel" and lg.ops:
+        dx += lg.grad_fanout_adds * target.launch.backward_kernel_s
+        dw += lg.param_tensor_count * target.launch.backward_kernel_s
+    saved, saved_sel = _saved_bytes(lg, layout, target)
     dense = lg.param_count - lg.expert_param_count + lg.shared_param_count
     return LayerCost(
         kind=lg.kind, fwd_s=fwd, bwd_input_s=dx, bwd_weight_s=dw,
@@ -101,7 +114,8 @@ def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Targe
         params=int(dense / layout.tp + lg.expert_param_count / (layout.ep * layout.tp)),
         expert_params=int(lg.expert_param_count / (layout.ep * layout.tp)),
         saved_bytes=saved, saved_selective_bytes=saved_sel,
-        saved_full_bytes=int(lg.input_bytes * layout.micro_batch / (layout.cp * _sp(layout))) if lg.ops else 0,
+        saved_full_bytes=int(_dtype_scaled(lg.input_bytes, 0, target) * layout.micro_batch
+                             / (layout.cp * _sp(layout))) if lg.ops else 0,
         recompute_selective_s=sel_s, recompute_full_s=fwd, executed_flops=flops,
         recompute_selective_flops=sel_flops, recompute_full_flops=fwd_flops, workspace_bytes=workspace)
 
@@ -110,8 +124,21 @@ def _sp(layout: Layout) -> int:
     return layout.tp if layout.sequence_parallel else 1
 
 
-def _saved_bytes(lg: LayerGraph, layout: Layout) -> tuple[int, int]:
-    """(no recompute, selective) saved bytes per micro-batch; each producer's output counted once.
+def _dtype_scaled(nbytes: float, fixed_bytes: float, target: Target) -> float:
+    """IR (bf16) bytes in the target's training dtype: the bf16 part times ``dtype_bytes / 2``, the fixed part
+    (``fixed_bytes``: indices, fp32 upcasts) as is."""
+    return (nbytes - fixed_bytes) * target.dtype_bytes / ACT_BYTES + fixed_bytes
+
+
+def _internal_saved(op: OpAnnotation, target: Target) -> float:
+    """Bytes the op keeps internally, in the target's dtype; the eager code's set on an eager (kernel) target."""
+    if target.launch.granularity == "kernel" and op.eager_saved_bytes is not None:
+        return _dtype_scaled(op.eager_saved_bytes, op.eager_saved_fixed_bytes, target)
+    return _dtype_scaled(op.saved_bytes, op.saved_fixed_bytes, target)
+
+
+def _saved_bytes(lg: LayerGraph, layout: Layout, target: Target) -> tuple[int, int]:
+    """(no recompute, selective) saved bytes per micro-batch in the target's dtype; each producer's output once.
 
     Under selective recompute the ops in SELECTIVE_KINDS drop what they save internally and their outputs are not
     kept; the inputs they need to be recomputed stay (those are outputs of kept ops or the layer input).
@@ -124,21 +151,23 @@ def _saved_bytes(lg: LayerGraph, layout: Layout) -> tuple[int, int]:
     for op in lg.ops:
         s = op_scale(op, layout)
         recomputed = op.op_kind in SELECTIVE_KINDS
-        internal += op.saved_bytes * s
-        sel_internal += 0.0 if recomputed else op.saved_bytes * s
+        internal += _internal_saved(op, target) * s
+        sel_internal += 0.0 if recomputed else _internal_saved(op, target) * s
         kept.update(op.saved_inputs)
         kept_sel.update(n for n in op.saved_inputs if n not in by_name or by_name[n].op_kind not in SELECTIVE_KINDS)
 
     def outputs(names: set[str]) -> float:
-        return sum(by_name[n].output_bytes * op_scale(by_name[n], layout) if n in by_name
-                   else lg.input_bytes * input_scale for n in names)
+        return sum(_dtype_scaled(by_name[n].output_bytes, by_name[n].output_fixed_bytes, target)
+                   * op_scale(by_name[n], layout) if n in by_name
+                   else _dtype_scaled(lg.input_bytes, 0, target) * input_scale for n in names)
 
     return int(internal + outputs(kept)), int(sel_internal + outputs(kept_sel))
 
 
-def _act_bytes(spec: ModelSpec, layout: Layout) -> int:
-    """Bytes of one micro-batch's hidden states on one device after SP and CP splits: b·s·h·2/(cp·sp)."""
-    return layout.micro_batch * layout.seq_len * spec.hidden_size * ACT_BYTES // (layout.cp * _sp(layout))
+def _act_bytes(spec: ModelSpec, layout: Layout, target: Target) -> int:
+    """Bytes of one micro-batch's hidden states on one device after SP and CP splits: b·s·h·d/(cp·sp), d the
+    target's training dtype bytes."""
+    return layout.micro_batch * layout.seq_len * spec.hidden_size * target.dtype_bytes // (layout.cp * _sp(layout))
 
 
 def _tp_pair(nbytes: int, layout: Layout, target: Target) -> tuple[CommOp, ...]:
@@ -154,15 +183,20 @@ def _tp_pair(nbytes: int, layout: Layout, target: Target) -> tuple[CommOp, ...]:
 
 
 def _ep_ops(spec: ModelSpec, layout: Layout, target: Target) -> tuple[CommOp, ...]:
-    """Dispatch + combine all-to-alls (fwd and bwd) and, with expert-TP, the etp all-gather / reduce-scatter."""
+    """Dispatch + combine all-to-alls (fwd and bwd), the forward exchange of per-expert token counts that sizes the
+    uneven dispatch (int64 per expert: Megatron-LM ``MoEAlltoAllTokenDispatcher.preprocess``; moeplan's runtime
+    ``exchange_counts``) and, with expert-TP, the etp all-gather / reduce-scatter."""
     n = layout.expert_shards
-    routed = _act_bytes(spec, layout) * spec.top_k
+    routed = _act_bytes(spec, layout, target) * spec.top_k
     ops: list[CommOp] = []
     if n > 1:
         stride = 1 if layout.tp_extend_ep else layout.tp
         t = all_to_all_time_s(bytes=routed, group_size=n, stride=stride, target=target)
         span_tier = group_tier(stride=stride, group_size=n, devices_per_node=target.devices_per_node)
         ops += [CommOp("ep", "all_to_all", ph, routed, n, span_tier, t) for ph in ("fwd", "bwd") for _ in range(2)]
+        counts = COUNT_BYTES * spec.num_experts
+        ops.append(CommOp("ep", "all_to_all", "fwd", counts, n, span_tier,
+                          all_to_all_time_s(bytes=counts, group_size=n, stride=stride, target=target)))
     if layout.etp > 1:
         tier = group_tier(stride=1, group_size=layout.etp, devices_per_node=target.devices_per_node)
         ag = collective_time_s(kind="all_gather", bytes=routed, group_size=layout.etp, tier=tier, target=target)
@@ -179,7 +213,7 @@ def _cp_ops(spec: ModelSpec, layout: Layout, target: Target) -> tuple[CommOp, ..
         return ()
     heads = max(1, (spec.num_heads if spec.attention == "mla" else spec.num_kv_heads) // layout.tp)
     v_dim = spec.v_head_dim if spec.attention == "mla" else spec.head_dim
-    kv = layout.micro_batch * layout.seq_len // layout.cp * heads * (spec.qk_head_dim + v_dim) * ACT_BYTES
+    kv = layout.micro_batch * layout.seq_len // layout.cp * heads * (spec.qk_head_dim + v_dim) * target.dtype_bytes
     tier = group_tier(stride=layout.tp, group_size=layout.cp, devices_per_node=target.devices_per_node)
     ag = collective_time_s(kind="all_gather", bytes=kv, group_size=layout.cp, tier=tier, target=target)
     rs = collective_time_s(kind="reduce_scatter", bytes=kv * layout.cp, group_size=layout.cp, tier=tier,
@@ -189,7 +223,7 @@ def _cp_ops(spec: ModelSpec, layout: Layout, target: Target) -> tuple[CommOp, ..
 
 
 def _layer_comm(kind: LayerKind, *, spec: ModelSpec, layout: Layout, target: Target) -> tuple[CommOp, ...]:
-    act = _act_bytes(spec, layout)
+    act = _act_bytes(spec, layout, target)
     if kind in (LayerKind.EMBEDDING, LayerKind.EMPTY):
         return ()
     if kind in (LayerKind.HEAD, LayerKind.MTP_HEAD):
@@ -206,7 +240,7 @@ def _layer_comm(kind: LayerKind, *, spec: ModelSpec, layout: Layout, target: Tar
 def p2p_op(spec: ModelSpec, layout: Layout, target: Target) -> CommOp:
     """One micro-batch's activations across a PP boundary; the pipeline's slowest hop sets the tier (stride
     tp·cp·dp over pp ranks: intra-node only when the whole pipeline sits in one node)."""
-    nbytes = _act_bytes(spec, layout)
+    nbytes = _act_bytes(spec, layout, target)
     tier = group_tier(stride=layout.tp * layout.cp * layout.dp, group_size=layout.pp,
                       devices_per_node=target.devices_per_node) if layout.pp > 1 else "intra"
     t = collective_time_s(kind="p2p", bytes=nbytes, group_size=2, tier=tier, target=target) if layout.pp > 1 else 0.0

@@ -5,7 +5,16 @@ compute stream in v1: no overlap yet) and the recompute the memory plan chose, t
 lists. After the pipeline drains, the distributed optimizer's gradient reduce-scatter and parameter all-gather
 (dense over dp·cp with stride tp, experts over expert-DP) and the Adam update run exposed — overlap with backward is
 a later issue. The optimizer update is memory-bound: about 30 bytes moved per locally owned parameter (fp32 grad,
-main weight, m, v read; main, m, v, bf16 weight written).
+main weight, m, v read; main, m, v, bf16 weight written; twice that when the target trains in fp32). The global
+gradient norm for clipping is one small all-reduce over every rank of the step (Megatron-LM
+``clip_grad_norm_fp32``; moeplan's runtime likewise) whenever there is more than one device.
+
+On an eager runtime (``target.launch.granularity == "kernel"``, the cpu emulator) the optimizer is a few hundred
+small kernels, which dominate at tiny-model sizes: moeplan's runtime (moeplan/runtime/optimizer.py,
+``DistributedAdamW``) flattens each local parameter's gradient into a flat buffer and copies each updated shard back
+(``OPTIMIZER_KERNELS_PER_TENSOR`` aten ops per parameter tensor: reshape, slice, view, copy_), and per flat buffer
+(dense/expert × decay/no-decay, each its own reduce-scatter and all-gather) runs the concatenation, scaling, the squared-norm terms and single-tensor AdamW
+(``OPTIMIZER_KERNELS_PER_BUFFER``, counted from that code), each at ``launch.forward_kernel_s``.
 
 MFU uses Megatron-LM's causal model FLOPs without MTP (FACTS §4.1): flops_per_token · tokens / (step · devices ·
 peak). HFU counts what the devices execute: traced forward + backward FLOPs of every layer (MTP and router included)
@@ -22,8 +31,13 @@ from moeplan.cost_models.timeline import StageCost, simulate
 from moeplan.flops import flops_per_token
 from moeplan.ir import kind_of
 from moeplan.state import LayerCost, PlanState, Prediction, Recompute
+from moeplan.targets import Target
 
 ADAM_BYTES_PER_PARAM = 30
+OPTIMIZER_KERNELS_PER_TENSOR = 4
+OPTIMIZER_BUFFERS = 4
+OPTIMIZER_KERNELS_PER_BUFFER = 25
+NORM_BYTES = 8  # the float64 squared norm all-reduced for clipping
 
 
 def _recompute(cost: LayerCost, mode: Recompute) -> tuple[float, float]:
@@ -50,6 +64,23 @@ def stage_cost(layer_costs: list[LayerCost], mode: Recompute, activation_bytes: 
     flops = sum(c.executed_flops for c in layer_costs) + sum(f for _, f in rec)
     return StageCost(forward_s=fwd, backward_s=bwd_in + bwd_w, backward_input_s=bwd_in, backward_weight_s=bwd_w,
                      activation_bytes=activation_bytes, fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm), flops
+
+
+def _buffers_per_class(target: Target) -> int:
+    """Flat gradient buffers (one reduce-scatter and one all-gather each) per parameter class: 1 (one bucket per
+    class) except on the eager cpu emulator, whose runtime (moeplan's ``DistributedAdamW``) keeps decay and
+    no-decay parameters in separate buffers: 2."""
+    return OPTIMIZER_BUFFERS // 2 if target.launch.granularity == "kernel" else 1
+
+
+def _optimizer_launch_s(state: PlanState, names: list[str]) -> float:
+    """Eager per-kernel cost of the optimizer step on a ``"kernel"`` target (module docstring); 0 otherwise."""
+    tgt, spec = state.target, state.graph.spec
+    if tgt.launch.granularity != "kernel":
+        return 0.0
+    tensors = sum(state.graph.layer(kind_of(spec, n)).param_tensor_count for n in names)
+    kernels = tensors * OPTIMIZER_KERNELS_PER_TENSOR + OPTIMIZER_BUFFERS * OPTIMIZER_KERNELS_PER_BUFFER
+    return kernels * tgt.launch.forward_kernel_s
 
 
 @dataclass(frozen=True)
@@ -105,9 +136,17 @@ class SimulatePass:
             if params == 0 or group == 1:
                 continue
             tier = group_tier(stride=stride, group_size=group, devices_per_node=tgt.devices_per_node)
-            t += collective_time_s(kind="reduce_scatter", bytes=int(params * GRAD_BYTES), group_size=group,
-                                   tier=tier, target=tgt)
-            t += collective_time_s(kind="all_gather", bytes=int(params * PARAM_BYTES / group), group_size=group,
-                                   tier=tier, target=tgt)
+            n = _buffers_per_class(tgt)
+            param_bytes = PARAM_BYTES * tgt.dtype_bytes / 2
+            t += n * collective_time_s(kind="reduce_scatter", bytes=int(params * GRAD_BYTES / n), group_size=group,
+                                       tier=tier, target=tgt)
+            t += n * collective_time_s(kind="all_gather", bytes=int(params * param_bytes / (group * n)),
+                                       group_size=group, tier=tier, target=tgt)
+        if lay.world_size > 1:
+            tier = group_tier(stride=1, group_size=lay.world_size, devices_per_node=tgt.devices_per_node)
+            t += collective_time_s(kind="all_reduce", bytes=NORM_BYTES, group_size=lay.world_size, tier=tier,
+                                   target=tgt)
         owned = dense / (lay.dp * lay.cp) + expert / lay.expert_dp
-        return t + owned * ADAM_BYTES_PER_PARAM / (tgt.hbm_bandwidth_bytes_per_s * tgt.efficiency.memory)
+        adam_bytes = owned * ADAM_BYTES_PER_PARAM * tgt.dtype_bytes / 2
+        return t + adam_bytes / (tgt.hbm_bandwidth_bytes_per_s * tgt.efficiency.memory) + _optimizer_launch_s(
+            state, names)

@@ -35,12 +35,26 @@ class Efficiency(BaseModel):
 
 
 class LaunchCost(BaseModel):
-    """Fixed cost per kernel or collective launch, seconds (Ascend/msmodeling: 5 µs matmul, 2 µs other, 10 µs comm)."""
+    """Fixed cost per kernel or collective launch, seconds (Ascend/msmodeling: 5 µs matmul, 2 µs other, 10 µs comm).
+
+    ``granularity`` says what one launch is on this target's runtime:
+
+    - ``"op"`` (default; accelerators with production kernels): one launch per traced IR op — a fused kernel (flash
+      attention, RMSNorm, grouped matmul) is one launch however many aten ops its eager reference has; ``matmul_s``
+      for matrix-unit ops, ``other_s`` otherwise, in forward and again per backward part (dX, dW).
+    - ``"kernel"`` (an eager runtime, the ``cpu`` emulator): every aten op the node dispatches pays a fixed cost, and
+      forward and backward kernels differ: ``forward_kernel_s`` includes recording the autograd graph,
+      ``backward_kernel_s`` the autograd engine's per-node work (measured by ``moeplan calibrate``). The kernel
+      counts come from the trace (``OpAnnotation.fwd_kernels`` etc.).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     matmul_s: float = Field(default=5e-6, ge=0)
     other_s: float = Field(default=2e-6, ge=0)
     collective_s: float = Field(default=10e-6, ge=0)
+    granularity: Literal["op", "kernel"] = "op"
+    forward_kernel_s: float = Field(default=0.0, ge=0)
+    backward_kernel_s: float = Field(default=0.0, ge=0)
 
 
 class Target(BaseModel):
@@ -61,11 +75,17 @@ class Target(BaseModel):
     inter_node: Link
     efficiency: Efficiency = Efficiency()
     launch: LaunchCost = LaunchCost()
+    training_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"  # activations/weights as the runtime trains them
     variant: str | None = None
 
     @property
     def usable_memory_bytes(self) -> float:
         return self.memory_bytes * self.usable_memory_fraction
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per activation (and weight) element in ``training_dtype``: 2 for bf16/fp16, 4 for fp32."""
+        return 4 if self.training_dtype == "fp32" else 2
 
 
 _DIR = resources.files("moeplan.targets")

@@ -293,3 +293,26 @@ def test_hierarchical_needs_an_intra_node_tp_group() -> None:
         hierarchical_dispatch_time_s(bytes=1e6, topk=8, tp=1, ep=4, target=NPU)
     with pytest.raises(ValueError, match="tp=16"):
         hierarchical_combine_time_s(bytes=1e6, topk=8, tp=16, ep=4, target=NPU)
+
+
+def test_kernel_granularity_pays_per_aten_kernel_and_training_dtype_scales_bytes() -> None:
+    """An eager target pays forward/backward per-kernel launches from the op's kernel counts; an "op" target one
+    launch per op; an fp32 target moves twice the bf16 IR bytes."""
+    from dataclasses import replace
+
+    op = replace(_op(OpKind.ELEMENTWISE, m=2, n=64, k=1, params=64), fwd_kernels=5, bwd_input_kernels=7,
+                 bwd_weight_kernels=3)
+    launch = NPU.launch.model_copy(update=dict(granularity="kernel", forward_kernel_s=1e-6, backward_kernel_s=2e-6))
+    eager = NPU.model_copy(update=dict(launch=launch))
+    base = annotation_time_s(op, scale=1.0, target=NPU)
+    kern = annotation_time_s(op, scale=1.0, target=eager)
+    assert kern[0] - 5e-6 == pytest.approx(base[0] - OTHER_LAUNCH)
+    assert kern[1] - 14e-6 == pytest.approx(base[1] - OTHER_LAUNCH)
+    assert kern[2] - 6e-6 == pytest.approx(base[2] - OTHER_LAUNCH)
+    view = replace(op, bytes_read=0, bytes_written=0, fwd_flops=0, bwd_input_flops=0, bwd_weight_flops=0)
+    assert annotation_time_s(view, scale=1.0, target=NPU)[0] == 0.0  # a view launches nothing on an accelerator
+    assert annotation_time_s(view, scale=1.0, target=eager)[0] == pytest.approx(5e-6)  # eager still dispatches
+    fp32 = NPU.model_copy(update=dict(training_dtype="fp32"))
+    assert fp32.dtype_bytes == 4 and NPU.dtype_bytes == 2
+    mem = annotation_time_s(op, scale=1.0, target=fp32)[0] - OTHER_LAUNCH  # memory-bound: bytes double
+    assert mem == pytest.approx(2 * (base[0] - OTHER_LAUNCH))

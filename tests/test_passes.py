@@ -47,14 +47,16 @@ def test_shard_scales_work_and_inserts_collectives():
     assert sorted((c.kind, c.phase) for c in dense_tp) == sorted(
         [(k, p) for k in ("all_gather", "reduce_scatter") for p in ("fwd", "bwd")] * 2)
     ag = next(c for c in dense_tp if c.kind == "all_gather")
-    assert ag.bytes == 1 * 64 * SPEC.hidden_size * 2 // 2  # b·s·h·2 / sp
+    assert CPU.dtype_bytes == 4  # the cpu emulator trains in fp32: message bytes are fp32
+    assert ag.bytes == 1 * 64 * SPEC.hidden_size * 4 // 2  # b·s·h·4 / sp
 
 
 def test_shard_ep_dispatch_combine_and_params():
     st = ShardPass().run(state(dp=2, ep=2)).sharding.layer_costs[LayerKind.MOE]
     a2a = [c for c in st.comm if c.kind == "all_to_all"]
-    assert len(a2a) == 4 and all(c.group_size == 2 for c in a2a)  # dispatch + combine, fwd and bwd
-    assert a2a[0].bytes == 64 * SPEC.hidden_size * 2 * SPEC.top_k
+    assert len(a2a) == 5 and all(c.group_size == 2 for c in a2a)  # dispatch + combine, fwd and bwd; counts
+    assert a2a[-1].phase == "fwd" and a2a[-1].bytes == 8 * SPEC.num_experts  # int64 count per expert
+    assert a2a[0].bytes == 64 * SPEC.hidden_size * CPU.dtype_bytes * SPEC.top_k
     lg = GRAPH.layer(LayerKind.MOE)
     assert st.expert_params == lg.expert_param_count // 2
     assert st.params == lg.param_count - lg.expert_param_count + lg.expert_param_count // 2
@@ -130,3 +132,25 @@ def test_partition_uniform_pads_with_empty_layers():
     free = PartitionStagesPass(layer_layout="free").run(sharded).stages
     assert free.empty_layers == () and max(t for r in free.chunk_time_s for t in r) <= max(
         t for r in plan.chunk_time_s for t in r) + 1e-12
+
+
+def test_simulate_optimizer_tail_on_an_eager_target():
+    """On the eager cpu target the optimizer tail adds the runtime's per-tensor and per-buffer kernels and, with
+    more than one rank, the clipping norm's all-reduce; an "op" target with the same figures has neither kernels."""
+    from moeplan.cost_models.comm import collective_time_s
+    from moeplan.passes import simulate as sim
+
+    passes = tuple(c() for c in parse_pipeline("shard,partition-stages,place-experts,plan-memory,schedule"))
+    ready, _ = run_pipeline(state(pp=2), passes)
+    op_target = CPU.model_copy(update=dict(launch=CPU.launch.model_copy(update=dict(granularity="op"))))
+    eager_s = SimulatePass._dp_tail_s(ready, 0)
+    op_s = SimulatePass._dp_tail_s(ready.with_(target=op_target), 0)
+    names = [n for chunk in ready.stages.chunks[0] for n in chunk]
+    tensors = sum(GRAPH.layer(k).param_tensor_count for n, k in named_layers(SPEC) if n in names)
+    kernels = tensors * sim.OPTIMIZER_KERNELS_PER_TENSOR + sim.OPTIMIZER_BUFFERS * sim.OPTIMIZER_KERNELS_PER_BUFFER
+    assert eager_s - op_s == pytest.approx(kernels * CPU.launch.forward_kernel_s)
+    norm = collective_time_s(kind="all_reduce", bytes=sim.NORM_BYTES, group_size=2, tier="intra", target=CPU)
+    params = sum(ready.sharding.layer_costs[k].params for n, k in named_layers(SPEC) if n in names)
+    adam = params * sim.ADAM_BYTES_PER_PARAM * CPU.dtype_bytes / 2 / (CPU.hbm_bandwidth_bytes_per_s
+                                                                      * CPU.efficiency.memory)
+    assert op_s == pytest.approx(norm + adam) and norm > 0  # pp 2, dp 1: no gradient reduction, one norm

@@ -154,3 +154,14 @@ def test_every_figure_carries_a_source_comment() -> None:
         assert len(figures) >= 15, name
         unsourced = [lines[i].strip() for i in figures if not _sourced(lines, i)]
         assert not unsourced, f"{name}: {unsourced}"
+
+
+def test_launch_granularity_and_training_dtype() -> None:
+    """Accelerators launch one production kernel per traced op and train in bf16; the cpu emulator is eager
+    (per aten kernel, forward and backward costs) and trains in fp32."""
+    for name in ("ascend-910b", "h100"):
+        t = load_target(name)
+        assert t.launch.granularity == "op" and t.training_dtype == "bf16" and t.dtype_bytes == 2
+    cpu = load_target("cpu")
+    assert cpu.launch.granularity == "kernel" and cpu.training_dtype == "fp32" and cpu.dtype_bytes == 4
+    assert cpu.launch.forward_kernel_s > 0 and cpu.launch.backward_kernel_s > 0

@@ -130,3 +130,47 @@ def test_traced_flops_agree_with_closed_form(name):
     with_mtp = traced_flops_per_token(graph, include_mtp=True)
     assert abs(with_mtp / flops_per_token_with_mtp(spec, seq_len=4096) - 1) < 0.01
     assert (with_mtp > traced) == (spec.num_mtp_layers > 0)
+
+
+def test_kernel_counts_match_an_eager_run(tiny, graph):
+    """The per-node aten-op counts add up to about what eager PyTorch dispatches for the whole layer (each node runs
+    alone on fresh leaves, so a few views and copies differ), and the backward counts cover autograd's per-node
+    work, fan-out additions and one AccumulateGrad per parameter."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    layer = build_layer(tiny, representative_layer(tiny, LayerKind.DENSE), device="meta", dtype=torch.bfloat16)
+    (x,) = _example_inputs(tiny, LayerKind.DENSE, SEQ)
+    x.requires_grad_(True)
+    with Count() as fwd:
+        out = layer(x)
+    grad = torch.ones_like(out)
+    with Count() as bwd:
+        out.backward(grad)
+    dense = graph.layer(LayerKind.DENSE)
+    assert abs(sum(o.fwd_kernels for o in dense.ops) - fwd.n) <= 0.15 * fwd.n
+    traced_bwd = (sum(o.bwd_input_kernels + o.bwd_weight_kernels for o in dense.ops) + dense.grad_fanout_adds
+                  + dense.param_tensor_count)
+    assert abs(traced_bwd - bwd.n) <= 0.15 * bwd.n
+    q_b = _op(graph.layer(LayerKind.MOE), "attn_q_b")
+    assert q_b.fwd_kernels >= 1 and q_b.bwd_input_kernels >= 1 and q_b.bwd_weight_kernels >= 1
+    assert dense.param_tensor_count == sum(1 for _ in layer.parameters())
+    assert dense.grad_fanout_adds >= 2  # the residual stream feeds a norm and an add, twice
+
+
+def test_eager_saved_set_and_integer_bytes(tiny, graph):
+    moe = graph.layer(LayerKind.MOE)
+    core = _op(moe, "attn_core")
+    probs = tiny.num_heads * SEQ * SEQ * 2  # bf16 s×s probabilities per head, kept by the math path
+    assert core.eager_saved_bytes >= probs > core.saved_bytes
+    router = next(o for o in moe.ops if o.op_kind == OpKind.ROUTER)
+    assert 0 < router.saved_fixed_bytes <= router.saved_bytes  # the top-k indices are int64
+    assert router.output_fixed_bytes >= SEQ * tiny.top_k * 8
+    loss = next(o for o in graph.layer(LayerKind.HEAD).ops if o.op_kind == OpKind.LOSS)
+    assert loss.saved_fixed_bytes == loss.saved_bytes >= SEQ * tiny.vocab_size * 4  # fp32 log-probabilities

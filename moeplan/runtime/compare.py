@@ -16,8 +16,9 @@ recompute mode per PP rank) and the schedule (number of micro-batches and sends)
   input and all-gather shard of the rank's parameters, ``4·P·(1 + 1/(dp·cp))``;
 - peak saved-activation bytes: ``memory.ranks[r].activation_bytes``.
 
-Byte figures of the plan assume bf16 activations (``passes/shard.py`` ACT_BYTES = 2); the runtime trains in fp32,
-so predicted activation and communication bytes are scaled by ``RUNTIME_BYTES / PLAN_BYTES``.
+Byte figures of the plan are in its target's training dtype (``Target.training_dtype``: fp32 for a calibrated cpu
+target, bf16 for accelerators and plans written before the field existed); the runtime trains in fp32, so predicted
+activation and communication bytes are scaled by ``RUNTIME_BYTES / plan.target.dtype_bytes`` (1 for an fp32 plan).
 
 Measured figures: the median over steps ``first_step..N`` (default 5, or every step after the first when the run is
 shorter) of each step's value; per-PP-rank figures average the ranks of that PP rank (they are replicas). A run with
@@ -38,7 +39,6 @@ from moeplan.ir import kind_of
 from moeplan.plan import Plan
 from moeplan.runtime.metrics import StepRecord
 
-PLAN_BYTES = 2
 RUNTIME_BYTES = 4
 IN_LAYER = ("tp", "ep", "cp")
 
@@ -77,6 +77,11 @@ def _window(records: list[StepRecord], first_step: int) -> list[StepRecord]:
     return chosen or records[1:] or records
 
 
+def _byte_scale(plan: Plan) -> float:
+    """Runtime bytes per plan byte: the fp32 runtime over the plan target's training dtype."""
+    return RUNTIME_BYTES / plan.target.dtype_bytes
+
+
 def _rank_layers(plan: Plan, pp_rank: int) -> list[str]:
     return [n for chunk in plan.stages.chunks[pp_rank] for n in chunk]
 
@@ -85,7 +90,7 @@ def predicted_rank(plan: Plan, pp_rank: int) -> dict[str, float]:
     """Predicted per-step seconds (F, B, OPTIMIZER, comm:<class>) and bytes (bytes:<class>) of one PP rank."""
     spec, m = plan.model.spec, plan.layout.num_microbatches
     full = plan.memory.ranks[pp_rank].recompute == "full"
-    scale = RUNTIME_BYTES / PLAN_BYTES
+    scale = _byte_scale(plan)
     out: dict[str, float] = defaultdict(float)
     for name in _rank_layers(plan, pp_rank):
         cost = plan.sharding.layers[kind_of(spec, name).value]
@@ -164,7 +169,7 @@ def compare(plan: Plan, records: list[StepRecord], *, first_step: int = 5) -> li
                 rows.append(Row(f"{tag} bytes {cls}", "bytes", pred.get(f"bytes:{cls}"),
                                 meas.get(f"bytes:{cls}", 0.0)))
         rows.append(Row(f"{tag} peak saved activations", "bytes",
-                        plan.memory.ranks[pp_rank].activation_bytes * RUNTIME_BYTES / PLAN_BYTES,
+                        plan.memory.ranks[pp_rank].activation_bytes * _byte_scale(plan),
                         meas.get("peak_saved_bytes", 0.0)))
     return [r for r in rows if r.measured or r.predicted]
 

@@ -88,12 +88,15 @@ def test_killed_rank_stops_every_rank_and_resume_reproduces_losses(setup, uninte
     launcher = subprocess.Popen([*args, "--steps", "1000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
+        workers: list[int | None] = [None, None]
+        while None in workers:  # find both workers first: scanning /proc is slow next to a step
+            assert launcher.poll() is None and time.monotonic() < deadline, "workers did not start"
+            workers = [worker_pid(launcher.pid, 0), worker_pid(launcher.pid, 1)]
+            time.sleep(0.05)
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
             assert launcher.poll() is None and time.monotonic() < deadline, "run did not reach step 3"
-            time.sleep(0.1)
-        pid = worker_pid(launcher.pid, 1)
-        workers = [p for p in (worker_pid(launcher.pid, 0), pid) if p]
-        assert pid is not None and len(workers) == 2
+            time.sleep(0.002)  # a step takes tens of ms: kill at step 3 or 4, well before STEPS
+        pid = workers[1]
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
         _, stderr = launcher.communicate(timeout=60)

@@ -148,7 +148,9 @@ def test_compare_json(pp2, run_metrics):
     assert rows["step time"]["measured"] == records[1]["step_time_s"]  # the unmetered step of the window 2..3
     assert rows["pp1 peak saved activations"]["measured"] == records[2]["ranks"][1]["peak_saved_bytes"]
     assert rows["pp0 bytes pp"]["measured"] == rows["pp0 bytes pp"]["predicted"]  # p2p bytes: exact
-    assert rows["pp1 peak saved activations"]["predicted"] == plan.memory.ranks[1].activation_bytes * 2
+    # the plan's bytes are in its target's training dtype (fp32 on the cpu target), the runtime's too
+    assert rows["pp1 peak saved activations"]["predicted"] == plan.memory.ranks[1].activation_bytes * 4 / (
+        plan.target.dtype_bytes)
 
 
 def test_compare_rejects_another_layouts_metrics(pp2, run_metrics, tmp_path):
@@ -166,6 +168,9 @@ def test_calibrate_writes_a_target_the_compiler_uses(tmp_path):
     assert target.name == "cpu-calibrated" and target.backend == "cpu"
     assert 1e8 < target.cube_flops < 1e12 and 1e7 < target.vector_flops < target.cube_flops
     assert 1e-7 < target.launch.other_s < 1e-3 and target.intra_node.bandwidth_bytes_per_s > 1e7
+    # an eager fp32 runtime: per-aten-kernel forward and backward costs, measured
+    assert target.launch.granularity == "kernel" and target.training_dtype == "fp32"
+    assert 1e-8 < target.launch.forward_kernel_s < 1e-3 and 1e-8 < target.launch.backward_kernel_s < 1e-3
     plan = tmp_path / "plan.yaml"
     proc = moeplan("compile", "tiny-pangu", "--target", str(out), "--devices", "2", "--pp", "2", "-o", str(plan))
     assert proc.returncode == 0, proc.stderr

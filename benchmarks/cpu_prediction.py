@@ -1,0 +1,78 @@
+"""Predicted vs measured on the CPU emulator: tiny-pangu at world size <= 2 (issue 3, "Prediction").
+
+For each layout: ``moeplan compile tiny-pangu --target TARGET ...``, ``moeplan run PLAN --steps N --meter-every 5``,
+``moeplan compare PLAN run.jsonl --json``; prints one JSON line per layout (predicted and measured step seconds,
+their ratio, and per PP rank the predicted and measured peak saved-activation bytes) and a summary line.
+
+Usage::
+
+    moeplan calibrate --target cpu --fit-model tiny-pangu -o cal.yaml      # once per machine
+    python benchmarks/cpu_prediction.py --target cal.yaml [--steps 40] [--only pp2,dp2] [--workdir DIR]
+
+Timings are only meaningful on a quiet machine: each emulated device is one single-threaded process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "1dev-mb1": ("--devices", "1", "--tp", "1", "--pp", "1", "--ep", "1", "--micro-batch", "1"),
+    "1dev-mb2": ("--devices", "1", "--tp", "1", "--pp", "1", "--ep", "1", "--micro-batch", "2"),
+    "pp2": ("--devices", "2", "--tp", "1", "--pp", "2", "--vpp", "1", "--ep", "1", "--micro-batch", "1"),
+    "pp2-vpp2": ("--devices", "2", "--tp", "1", "--pp", "2", "--vpp", "2", "--ep", "1", "--micro-batch", "1"),
+    "dp2": ("--devices", "2", "--tp", "1", "--pp", "1", "--ep", "1", "--micro-batch", "1"),
+    "ep2": ("--devices", "2", "--tp", "1", "--pp", "1", "--ep", "2", "--micro-batch", "1"),
+    "tp2": ("--devices", "2", "--tp", "2", "--pp", "1", "--ep", "1", "--micro-batch", "1"),
+}
+
+
+def _cli(*args: str) -> str:
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "moeplan.cli", *args], capture_output=True,
+                          text=True)
+    if proc.returncode:
+        sys.exit(f"moeplan {' '.join(args[:2])} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+    return proc.stdout
+
+
+def measure(name: str, *, target: str, steps: int, workdir: Path) -> dict:
+    """Compile, run and compare one layout; the comparison's step time and peak saved activations."""
+    plan, metrics = workdir / f"{name}.yaml", workdir / f"{name}.jsonl"
+    _cli("compile", "tiny-pangu", "--target", target, "--global-batch", "8", "--seq-len", "64", *LAYOUTS[name],
+         "-o", str(plan))
+    _cli("run", str(plan), "--steps", str(steps), "--meter-every", "5", "--metrics", str(metrics))
+    rows = {r["quantity"]: r for r in json.loads(_cli("compare", str(plan), str(metrics), "--json"))}
+    step = rows["step time"]
+    peaks = {q.split()[0]: (r["predicted"], r["measured"], r["ratio"]) for q, r in rows.items()
+             if q.endswith("peak saved activations")}
+    return {"layout": name, "step_predicted_ms": round(step["predicted"] * 1e3, 2),
+            "step_measured_ms": round(step["measured"] * 1e3, 2), "step_ratio": round(step["ratio"], 3),
+            "peak_saved_bytes": {r: {"predicted": int(p), "measured": int(m), "ratio": round(x, 3)}
+                                 for r, (p, m, x) in peaks.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True, help="a calibrated cpu target YAML (moeplan calibrate)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--only", default=",".join(LAYOUTS), help="comma-separated layout names")
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="moeplan-pred-") as tmp:
+        workdir = Path(args.workdir or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        results = []
+        for name in args.only.split(","):
+            results.append(measure(name, target=args.target, steps=args.steps, workdir=workdir))
+            print(json.dumps(results[-1]), flush=True)
+    within = [r["layout"] for r in results if abs(r["step_ratio"] - 1) <= 0.15
+              and all(abs(p["ratio"] - 1) <= 0.10 for p in r["peak_saved_bytes"].values())]
+    print(json.dumps({"layouts": len(results), "within_15pct_step_and_10pct_activations": within}))
+
+
+if __name__ == "__main__":
+    main()
