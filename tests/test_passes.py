@@ -4,12 +4,11 @@ import pytest
 from moeplan.compiler import parse_pipeline, run_pipeline
 from moeplan.errors import InfeasibleError, PlanError
 from moeplan.flops import flops_per_token
-from moeplan.ir import LayerKind, OpKind, named_layers
+from moeplan.ir import LayerKind, named_layers
 from moeplan.layout import Layout
 from moeplan.passes.partition_stages import PartitionStagesPass, piece_time_s
 from moeplan.passes.place_experts import PlaceExpertsPass
 from moeplan.passes.plan_memory import PlanMemoryPass
-from moeplan.passes.schedule import SchedulePass
 from moeplan.passes.shard import ShardPass, op_scale
 from moeplan.passes.simulate import SimulatePass
 from moeplan.spec import load_spec
@@ -85,8 +84,6 @@ def test_plan_memory_picks_cheapest_fitting_mode():
     roomy = PlanMemoryPass().run(base).memory
     assert all(m.recompute == "none" for m in roomy.stages)
     need_none = max(m.total_bytes for m in roomy.stages)
-    full = [PlanMemoryPass().run(base.with_(target=CPU)).memory]  # same budget: unchanged
-    assert full[0] == roomy
     from moeplan.passes.plan_memory import rank_memory
     from moeplan.passes.schedule import build_actions
     acts = build_actions(pp=2, vpp=1, num_microbatches=8)
