@@ -18,6 +18,21 @@ repeats after a warm-up (the median is used for the gloo figures):
   up to 16 MiB. The comm model (cost_models/comm.py) has ``p2p = S/B + α + L`` and 2-rank ``all_reduce = S/B + 2α
   + L`` (L = ``launch.collective_s``), so from the smallest message ``α = t_ar − t_p2p`` and ``L = 2·t_p2p −
   t_ar`` (each at least 0), and ``B`` is the slope of ``t_ar`` over the message sizes ≥ 1 MiB (least squares).
+  Only ``B`` is used from these idle figures (the rest is kept in the file's header): α and L come from the
+  loaded measurement below.
+- gloo latency UNDER LOAD (what training sees): each of the 2 ranks alternates a compute burst (``BURST_OPS`` eager
+  kernels of tiny-pangu's size, a 64×64 by 64×128 matmul and an add per pair, ≈2.5 ms here) with one comm op of
+  ``LOADED_BYTES`` (a tiny-pangu PP handoff: seq 64 × hidden 64 × fp32): p2p (a send and a recv per iteration),
+  ``all_to_all_single``, ``all_reduce``, ``all_gather``. The effective cost per message is the loop's period minus
+  the period of the same bursts with no comm (both ranks busy), the median of ``LOADED_REPEATS`` runs of
+  ``LOADED_ITERS`` iterations. Why: with 2 ranks on 2 cores no core is idle, so gloo's transport threads are
+  scheduled against the ranks' compute (and a message waits for its peer to leave its burst); an idle ping-pong,
+  each rank asleep in recv, misses that — 110–180 µs per message where training paid 0.5–1 ms per PP handoff and
+  ≈445 µs per EP all-to-all. With the comm model's 2-rank α step counts (p2p, all_gather, all_to_all: 1;
+  all_reduce: 2; each plus L), α and L are the least-squares fit (each at least 0, :func:`fit_alpha_launch`) of
+  ``t_op − volume·S/B = steps·α + L`` over the four ops. It is a property of the machine, measured once and used
+  for every layout (no per-layout factor). Measured here: p2p ≈0.7 ms, all-to-all and all-gather ≈1.15 ms,
+  all-reduce ≈1.8 ms per 16 KiB message, so α ≈0.77 ms and L ≈0.23 ms (idle: α ≈0.08 ms, L ≈0.1 ms).
 
 Optionally (``fit_model``) the FORWARD launch costs (``forward_kernel_s``, and the per-op ``matmul_s`` /
 ``other_s`` of the ``"op"`` granularity) are then scaled by one factor ``k`` fitted to a measured single-process
@@ -54,6 +69,12 @@ MATMUL_SIZES = (128, 256, 512)
 ADD_ELEMENTS = 1 << 22
 MESSAGE_BYTES = (4, 1 << 20, 1 << 22, 1 << 24)
 CHAIN = 400
+LOADED_BYTES = 64 * 64 * 4
+BURST_OPS = 300
+LOADED_ITERS = 40
+LOADED_REPEATS = 7
+LOADED_OPS: dict[str, tuple[float, int]] = {  # op -> (multiple of S/B, α steps) at 2 ranks (cost_models/comm.py)
+    "p2p": (1.0, 1), "all_gather": (1.0, 1), "all_to_all": (0.5, 1), "all_reduce": (1.0, 2)}
 
 
 @dataclass(frozen=True)
@@ -69,21 +90,42 @@ class Calibration:
     backward_kernel_s: float
     p2p_s: dict[int, float]
     all_reduce_s: dict[int, float]
+    loaded_s: dict[str, float]
 
     @property
     def cube_flops(self) -> float:
         return self.matmul_flops[max(self.matmul_flops)]
 
     def comm_link(self) -> tuple[Link, float]:
-        """(α–β link, launch.collective_s) from the gloo figures (see the module docstring)."""
-        small = min(self.all_reduce_s)
-        alpha = max(0.0, self.all_reduce_s[small] - self.p2p_s[small])
-        launch = max(0.0, 2 * self.p2p_s[small] - self.all_reduce_s[small])
+        """(α–β link, launch.collective_s): B from the idle large messages, α and L fitted to the loaded small
+        messages (module docstring)."""
         big = [(s, t) for s, t in self.all_reduce_s.items() if s >= 1 << 20]
         mean_s = statistics.fmean(s for s, _ in big)
         mean_t = statistics.fmean(t for _, t in big)
         slope = sum((s - mean_s) * (t - mean_t) for s, t in big) / sum((s - mean_s) ** 2 for s, _ in big)
-        return Link(bandwidth_bytes_per_s=1.0 / max(slope, 1e-12), latency_s=alpha), launch
+        bandwidth = 1.0 / max(slope, 1e-12)
+        alpha, launch = fit_alpha_launch({op: t - LOADED_OPS[op][0] * LOADED_BYTES / bandwidth
+                                          for op, t in self.loaded_s.items()})
+        return Link(bandwidth_bytes_per_s=bandwidth, latency_s=alpha), launch
+
+
+def fit_alpha_launch(latency_s: dict[str, float]) -> tuple[float, float]:
+    """(α, L) seconds, each ≥ 0: least squares of ``latency_s[op] = steps(op)·α + L`` over the ops given (keys of
+    ``LOADED_OPS``, whose 2-rank α step counts are cost_models/comm.py's). Raises ValueError: an op not in
+    LOADED_OPS, or fewer than two distinct step counts."""
+    unknown = set(latency_s) - set(LOADED_OPS)
+    if unknown:
+        raise ValueError(f"latency_s ops={sorted(unknown)}: must be among {sorted(LOADED_OPS)}")
+    points = [(LOADED_OPS[op][1], t) for op, t in latency_s.items()]
+    mean_x, mean_y = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    if var == 0:
+        raise ValueError(f"latency_s ops={sorted(latency_s)}: need ops with different α step counts")
+    alpha = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in points) / var)
+    launch = mean_y - alpha * mean_x
+    if launch < 0:  # L would be negative: α alone, through the origin
+        return max(0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)), 0.0
+    return alpha, launch
 
 
 def _best_s(fn: Callable[[], object], *, repeats: int, inner: int) -> float:
@@ -186,29 +228,86 @@ def _gloo_rank(rank: int, port: int, out: str) -> None:
             reduces.append(time.perf_counter() - t0)
         result["p2p"][size] = statistics.median(pings)
         result["all_reduce"][size] = statistics.median(reduces)
+    loaded = measure_loaded_gloo(rank)
     if rank == 0:
-        Path(out).write_text(yaml.safe_dump(result))
+        Path(out).write_text(yaml.safe_dump({**result, "loaded": loaded}))
     dist.destroy_process_group()
 
 
-def measure_gloo() -> tuple[dict[int, float], dict[int, float]]:
-    """(p2p seconds, all-reduce seconds) by message bytes between 2 local gloo ranks."""
+def _burst(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``BURST_OPS`` eager kernels of tiny-pangu's size: a matmul (64×64 · 64×128) and an add per pair."""
+    y = x
+    for _ in range(BURST_OPS // 2):
+        y = (y @ w)[:, :64] + x
+    return y
+
+
+def _comm_op(op: str, rank: int, buf: torch.Tensor, out: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    if op == "p2p":  # a send and a recv each: two messages per iteration
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(out, 1)
+        else:
+            dist.recv(out, 0)
+            dist.send(buf, 0)
+    elif op == "all_to_all":
+        dist.all_to_all_single(out, buf)
+    elif op == "all_reduce":
+        dist.all_reduce(buf)
+    elif op == "all_gather":
+        dist.all_gather([out, torch.empty_like(out)], buf)
+    else:
+        raise ValueError(f"op={op!r}: must be one of {sorted(LOADED_OPS)}")
+
+
+def _loaded_period_s(op: str | None, rank: int) -> float:
+    """Median over ``LOADED_REPEATS`` runs of the seconds per iteration of a burst (+ one ``op``), both ranks."""
+    import torch.distributed as dist
+
+    x, w = torch.randn(64, 64), torch.randn(64, 128)
+    buf, out = torch.zeros(LOADED_BYTES // 4), torch.zeros(LOADED_BYTES // 4)
+    periods = []
+    for _ in range(LOADED_REPEATS):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(LOADED_ITERS):
+            _burst(x, w)
+            if op is not None:
+                _comm_op(op, rank, buf, out)
+        periods.append((time.perf_counter() - t0) / LOADED_ITERS)
+    return statistics.median(periods)
+
+
+def measure_loaded_gloo(rank: int) -> dict[str, float]:
+    """Effective seconds per message of each op of ``LOADED_OPS`` (``LOADED_BYTES`` per rank) while both ranks
+    compute (module docstring). Call on both ranks of an initialised 2-rank gloo group, one thread each."""
+    _loaded_period_s(None, rank)  # warm-up
+    base = _loaded_period_s(None, rank)
+    per_iter = {"p2p": 2}
+    return {op: max(0.0, (_loaded_period_s(op, rank) - base) / per_iter.get(op, 1)) for op in LOADED_OPS}
+
+
+def measure_gloo() -> tuple[dict[int, float], dict[int, float], dict[str, float]]:
+    """(p2p seconds, all-reduce seconds) by message bytes between 2 idle local gloo ranks, and the seconds per
+    message by op between compute bursts (:func:`measure_loaded_gloo`)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="moeplan-calibrate-") as tmp:
         out = os.path.join(tmp, "gloo.yaml")
         mp.spawn(_gloo_rank, args=(_free_port(), out), nprocs=2, join=True)
         data = yaml.safe_load(Path(out).read_text())
-    return data["p2p"], data["all_reduce"]
+    return data["p2p"], data["all_reduce"], data["loaded"]
 
 
 def calibrate() -> Calibration:
     matmul, vector, memory, mm_s, mul_s = measure_compute()
     fwd_s, bwd_s = measure_kernel_launch()
-    p2p, reduce = measure_gloo()
+    p2p, reduce, loaded = measure_gloo()
     return Calibration(matmul_flops=matmul, vector_flops=vector, memory_bytes_per_s=memory, launch_matmul_s=mm_s,
                        launch_other_s=mul_s, forward_kernel_s=fwd_s, backward_kernel_s=bwd_s, p2p_s=p2p,
-                       all_reduce_s=reduce)
+                       all_reduce_s=reduce, loaded_s=loaded)
 
 
 def calibrated_target(base: Target, cal: Calibration, *, name: str, launch_scale: float = 1.0) -> Target:
@@ -295,7 +394,9 @@ def write_target(target: Target, cal: Calibration, path: str | Path, *, fit: Lau
              f"#   per eager kernel: forward {cal.forward_kernel_s * 1e6:.2f} us, "
              f"backward {cal.backward_kernel_s * 1e6:.2f} us",
              *(f"#   gloo 2 ranks {s} B: p2p {cal.p2p_s[s] * 1e6:.1f} us, all-reduce {cal.all_reduce_s[s] * 1e6:.1f} us"
-               for s in sorted(cal.p2p_s))]
+               for s in sorted(cal.p2p_s)),
+             f"#   gloo 2 ranks, {LOADED_BYTES} B between compute bursts (alpha and launch.collective_s fitted to "
+             "these): " + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in sorted(cal.loaded_s.items()))]
     if fit is not None:
         lines.append(f"# forward launch costs x {fit.scale:.2f}, fitted to a measured 1-device {fit_model} step of "
                      f"{fit.measured_step_s * 1e3:.1f} ms (predicted {fit.predicted_step_s_at_0 * 1e3:.1f} ms "

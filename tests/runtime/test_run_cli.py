@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from moeplan.plan import load_plan, save_plan
+from moeplan.runtime.calibrate import LOADED_BYTES, LOADED_OPS, fit_alpha_launch
 from moeplan.runtime.data import stdlib_tokens
 from moeplan.targets import load_target
 
@@ -171,7 +172,33 @@ def test_calibrate_writes_a_target_the_compiler_uses(tmp_path):
     # an eager fp32 runtime: per-aten-kernel forward and backward costs, measured
     assert target.launch.granularity == "kernel" and target.training_dtype == "fp32"
     assert 1e-8 < target.launch.forward_kernel_s < 1e-3 and 1e-8 < target.launch.backward_kernel_s < 1e-3
+    # α and launch.collective_s: fitted to the loaded gloo figures of the header (minus their S/B terms)
+    line = next(x for x in out.read_text().splitlines() if "between compute bursts" in x)
+    loaded = {op: float(t) * 1e-6 for op, t in (item.split()[:2] for item in line.split(": ", 1)[1].split(", "))}
+    assert set(loaded) == set(LOADED_OPS) and all(t > 0 for t in loaded.values())
+    bandwidth = target.intra_node.bandwidth_bytes_per_s
+    alpha, launch = fit_alpha_launch({op: t - LOADED_OPS[op][0] * LOADED_BYTES / bandwidth
+                                      for op, t in loaded.items()})
+    assert target.intra_node.latency_s == pytest.approx(alpha, rel=1e-3, abs=5e-7)
+    assert target.launch.collective_s == pytest.approx(launch, rel=1e-3, abs=5e-7)
+    assert target.inter_node == target.intra_node
     plan = tmp_path / "plan.yaml"
     proc = moeplan("compile", "tiny-pangu", "--target", str(out), "--devices", "2", "--pp", "2", "-o", str(plan))
     assert proc.returncode == 0, proc.stderr
     assert load_plan(plan).target == target
+
+
+def test_fit_alpha_launch_is_least_squares_over_alpha_steps():
+    # steps: p2p, all_gather, all_to_all 1, all_reduce 2 -> α = 0.5, L = 0.5 fit these exactly
+    assert fit_alpha_launch(dict(p2p=1.0, all_gather=1.0, all_to_all=1.0, all_reduce=1.5)) == pytest.approx((0.5, 0.5))
+    # a noisy set: slope cov/var = 0.375/0.75 over x = (1, 1, 1, 2), y = (0.8, 1.0, 1.2, 1.5)
+    assert fit_alpha_launch(dict(p2p=0.8, all_gather=1.0, all_to_all=1.2, all_reduce=1.5)) == pytest.approx((0.5, 0.5))
+    # L would be negative (1 and 3 -> α 2, L -1): α alone through the origin, (1·1 + 2·3) / (1 + 4)
+    assert fit_alpha_launch(dict(p2p=1.0, all_reduce=3.0)) == pytest.approx((1.4, 0.0))
+
+
+def test_fit_alpha_launch_rejects_unknown_ops_and_one_step_count():
+    with pytest.raises(ValueError, match="must be among"):
+        fit_alpha_launch(dict(p2p=1.0, broadcast=2.0))
+    with pytest.raises(ValueError, match="different α step counts"):
+        fit_alpha_launch(dict(p2p=1.0, all_to_all=2.0))
