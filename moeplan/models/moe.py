@@ -107,14 +107,18 @@ class Router(nn.Module):
                                          topk_groups=self.topk_groups)
         return scores.topk(self.top_k, dim=-1).indices
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, h] -> (scores [T, E], idx [T, top_k], gates [T, top_k])``, fp32, before any auxiliary loss."""
         logits = self.gate(x).float()
         scores = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(dim=-1)
         idx = self.select(scores)
         gates = scores.gather(1, idx)
         if self.norm_topk_prob:
             gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
-        gates = gates * self.scale
+        return scores, idx, gates * self.scale
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, idx, gates = self.route(x)
         if self.aux_loss_coeff > 0 and gates.requires_grad:
             gates = AttachAuxLoss.apply(gates, load_balance_loss(scores, idx), self.aux_loss_coeff)
         return idx, gates.to(x.dtype)

@@ -66,13 +66,7 @@ class ParallelRouter(Router, TPReplicated):
         self.env = env
 
     def forward(self, x: torch.Tensor, own: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.gate(x).float()
-        scores = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(dim=-1)
-        idx = self.select(scores)
-        gates = scores.gather(1, idx)
-        if self.norm_topk_prob:
-            gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
-        gates = gates * self.scale
+        scores, idx, gates = self.route(x)
         if self.aux_loss_coeff > 0 and gates.requires_grad:
             aux = self._aux_share(scores.index_select(0, own), idx.index_select(0, own), num_tokens)
             gates = AttachAuxLoss.apply(gates, aux, self.aux_loss_coeff)
