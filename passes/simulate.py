@@ -30,6 +30,7 @@ from moeplan.cost_models.memory import GRAD_BYTES, PARAM_BYTES
 from moeplan.cost_models.timeline import StageCost, simulate
 from moeplan.flops import flops_per_token
 from moeplan.ir import kind_of
+from moeplan.passes.plan_memory import saved_bytes
 from moeplan.state import LayerCost, PlanState, Prediction, Recompute
 from moeplan.targets import Target
 
@@ -93,8 +94,6 @@ class SimulatePass:
 
     def run(self, state: PlanState) -> PlanState:
         assert state.sharding and state.stages and state.memory and state.schedule
-        from moeplan.passes.plan_memory import saved_bytes
-
         lay, spec, tgt = state.layout, state.graph.spec, state.target
         costs = state.sharding.layer_costs
         stage_costs: list[StageCost] = [None] * (lay.pp * lay.vpp)  # type: ignore[list-item]
@@ -129,8 +128,9 @@ class SimulatePass:
         lay, tgt, spec = state.layout, state.target, state.graph.spec
         costs = state.sharding.layer_costs  # type: ignore[union-attr]
         names = [n for chunk in state.stages.chunks[rank] for n in chunk]  # type: ignore[union-attr]
-        dense = sum(costs[kind_of(spec, n)].params - costs[kind_of(spec, n)].expert_params for n in names)
-        expert = sum(costs[kind_of(spec, n)].expert_params for n in names)
+        layer_costs = [costs[kind_of(spec, n)] for n in names]
+        dense = sum(c.params - c.expert_params for c in layer_costs)
+        expert = sum(c.expert_params for c in layer_costs)
         t = 0.0
         for params, group, stride in ((dense, lay.dp * lay.cp, lay.tp), (expert, lay.expert_dp, lay.tp * lay.ep)):
             if params == 0 or group == 1:

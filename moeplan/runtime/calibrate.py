@@ -215,16 +215,11 @@ def _gloo_rank(rank: int, port: int, out: str) -> None:
         for _ in range(7 if size < 1 << 22 else 3):
             dist.barrier()
             t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+            _comm_op("p2p", rank, buf, buf)
             pings.append((time.perf_counter() - t0) / 2)
             dist.barrier()
             t0 = time.perf_counter()
-            dist.all_reduce(buf)
+            _comm_op("all_reduce", rank, buf, buf)
             reduces.append(time.perf_counter() - t0)
         result["p2p"][size] = statistics.median(pings)
         result["all_reduce"][size] = statistics.median(reduces)
