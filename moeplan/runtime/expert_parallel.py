@@ -15,7 +15,8 @@ Per forward, on a rank whose hidden state is its SP slice ``[b, s/(cp·tp), h]``
    are exchanged by ``all_to_all_single`` first, then the token rows go by ``all_to_all_single`` with uneven splits.
 4. **Experts.** The rank's experts (``plan.experts.shards[expert_rank]``) as one :class:`LocalExperts`; under
    expert-TP each expert's FFN width is split over etp (``w1``/``w3`` columns, ``w2`` rows: partial sums).
-5. **Combine.** The reverse all-to-all, the gate-weighted sum per token, then (expert-TP) reduce-scatter over etp
+5. **Combine.** The reverse all-to-all, the gate-weighted sum per token (moeplan.models.TokenUnpermute, so
+   backward keeps the returned rows once, as the model does), then (expert-TP) reduce-scatter over etp
    back to the SP slice. The merged shared experts are a TP SwiGLU on the same input.
 
 Under expert-TP the dispatch carries the etp-gathered tokens, so each token crosses the expert group once per etp
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from moeplan.errors import PlanError
-from moeplan.models import GroupedExperts, Router, expert_capacity
+from moeplan.models import GroupedExperts, Router, TokenUnpermute, expert_capacity
 from moeplan.models.moe import AttachAuxLoss
 from moeplan.runtime.context_parallel import local_positions
 from moeplan.runtime.parallel import (ParamShard, Sharded, TPReplicated, all_gather, all_to_all, exchange_counts,
@@ -111,6 +112,7 @@ class ParallelMoE(nn.Module):
         self.router = ParallelRouter(spec, env, aux_loss_coeff=aux_loss_coeff)
         mine = env.expert_placement[coords.expert_rank]
         self.experts = LocalExperts(spec, experts=mine, etp=lay.etp, etp_rank=coords.etp_rank)
+        self.combine = TokenUnpermute()
         self.shared = ParallelSwiGLU(spec.hidden_size, spec.shared_ffn_size, env) if spec.num_shared_experts else None
         self.slots_per_rank = max(len(s) for s in env.expert_placement)
         owner, local = [0] * spec.num_experts, [0] * spec.num_experts
@@ -178,5 +180,6 @@ class ParallelMoE(nn.Module):
         tokens_per_expert = torch.bincount(local_expert, minlength=per)[:self.experts.num_experts]
         computed = self.experts(received.index_select(0, by_expert), tokens_per_expert)
         back = all_to_all(computed.index_select(0, torch.argsort(by_expert)), recv, send, link)
-        weighted = back * gates.flatten().index_select(0, slots).unsqueeze(-1)
-        return flat.new_zeros(flat.shape).index_add(0, slots // k, weighted)
+        row_of_slot = torch.full((idx.numel(),), back.shape[0], dtype=slots.dtype, device=flat.device)
+        row_of_slot[slots] = torch.arange(slots.numel(), device=flat.device)
+        return self.combine(back, row_of_slot, gates)

@@ -8,7 +8,6 @@ function               forward                      backward
 =====================  ===========================  ===========================
 ``all_gather``         all-gather along ``dim``     reduce-scatter (sum)
 ``reduce_scatter``     reduce-scatter (sum)         all-gather
-``gather_stats``       all-gather (new dim 0)       this rank's slice (no comm)
 ``value_all_reduce``   all-reduce (sum)             identity
 ``all_to_all``         all_to_all_single (splits)   all_to_all_single (splits swapped)
 =====================  ===========================  ===========================
@@ -143,18 +142,6 @@ class _ReduceScatter(torch.autograd.Function):
         return _gather(grad, ctx.dim, ctx.link.group), None, None
 
 
-class _GatherStats(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, link):
-        ctx.rank = group_rank(link.group)
-        link.record("all_gather", "fwd", x)
-        return _gather(x.unsqueeze(0), 0, link.group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad[ctx.rank], None
-
-
 class _ValueAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, link):
@@ -194,16 +181,6 @@ def all_gather(x: torch.Tensor, dim: int, link: Link) -> torch.Tensor:
 def reduce_scatter(x: torch.Tensor, dim: int, link: Link) -> torch.Tensor:
     """Sum ``x`` over the group and keep this rank's ``1/world`` slice of ``dim``; backward all-gathers."""
     return x if link.group is None else _ReduceScatter.apply(x, dim, link)
-
-
-def gather_stats(x: torch.Tensor, link: Link) -> torch.Tensor:
-    """Stack every rank's ``x`` into ``[world, *x.shape]`` (group-rank order); backward keeps only this rank's slice.
-
-    For statistics every rank reduces the same way into the same value (e.g. the vocab-parallel cross-entropy's
-    per-shard log-sum-exp): each rank's backward then owns the gradient of its own entries, as with
-    :func:`value_all_reduce`, and no backward collective is needed.
-    """
-    return x.unsqueeze(0) if link.group is None else _GatherStats.apply(x, link)
 
 
 def value_all_reduce(x: torch.Tensor, link: Link) -> torch.Tensor:

@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeplan.errors import PlanError
-from moeplan.models import IGNORE_INDEX
+from moeplan.models import IGNORE_INDEX, RMSNorm
 from moeplan.plan import PlanLayout
 from moeplan.runtime.context_parallel import (cp_attention, cp_positions, gathered_key_positions, local_positions,
                                               rotary_at)
 from moeplan.runtime.groups import ParallelGroups, RankCoords
-from moeplan.runtime.parallel import (CommLog, Link, ParamShard, Sharded, TPReplicated, all_gather, gather_stats,
+from moeplan.runtime.parallel import (CommLog, Link, ParamShard, Sharded, TPReplicated, all_gather, gather_no_grad,
                                       reduce_scatter, split_range, value_all_reduce)
 from moeplan.spec import ModelSpec
 
@@ -114,8 +114,9 @@ class ReplicatedLinear(nn.Linear, TPReplicated):
     """A linear replicated over TP; its gradient is a per-rank partial sum until the step's TP all-reduce."""
 
 
-class ReplicatedNorm(nn.RMSNorm, TPReplicated):
-    """RMSNorm replicated over TP (sequence-parallel norm); the gain's gradient is summed over TP once per step."""
+class ReplicatedNorm(RMSNorm, TPReplicated):
+    """moeplan.models.RMSNorm replicated over TP (sequence-parallel norm); the gain's gradient is summed over TP once
+    per step. The model's norm, so it saves for backward what the planner's trace priced (input and ``rstd``)."""
 
 
 def sp_norm(env: ShardEnv) -> ReplicatedNorm:
@@ -265,23 +266,46 @@ class ParallelEmbedding(nn.Module):
         return reduce_scatter(emb, 1, env.tp_link)
 
 
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """See :func:`vocab_parallel_cross_entropy`. Saves only the softmax of the shard (fp32 ``[N, V/tp]``), the
+    label's column in it and the rows whose label it holds, as Megatron-LM's ``_VocabParallelCrossEntropy``."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, link: Link) -> torch.Tensor:
+        shift = logits.max(dim=-1).values
+        softmax = (logits - shift.unsqueeze(-1)).exp()
+        local = labels - vocab_start
+        column = local.clamp(0, logits.shape[-1] - 1)
+        hit = (local >= 0) & (local < logits.shape[-1])
+        picked = logits.gather(1, column.unsqueeze(-1)).squeeze(-1) * hit
+        stats = gather_no_grad(torch.stack((softmax.sum(-1).log() + shift, picked), dim=-1).unsqueeze(0), link)
+        lse = stats[..., 0].logsumexp(0)  # [N], the same on every rank
+        softmax.mul_((shift - lse).exp().unsqueeze(-1))  # exp(z − shift) · exp(shift − lse) = exp(z − lse)
+        valid = labels != IGNORE_INDEX
+        ctx.save_for_backward(softmax, column, hit & valid, valid)
+        return (lse - stats[..., 1].sum(0)) * valid
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, column, hit, valid = ctx.saved_tensors
+        g = grad * valid
+        dlogits = softmax * g.unsqueeze(-1)  # out of place: an I+W split runs this backward twice
+        dlogits.scatter_add_(1, column.unsqueeze(-1), (-g * hit).unsqueeze(-1))
+        return dlogits, None, None, None
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, vocab_start: int,
                                  link: Link) -> torch.Tensor:
-    """Per-token cross-entropy ``[N]`` (0 where ``labels == IGNORE_INDEX``) from vocab-sharded ``logits [N, V/tp]``.
+    """Per-token cross-entropy ``[N]`` (0 where ``labels == IGNORE_INDEX``) from vocab-sharded fp32
+    ``logits [N, V/tp]``; ``labels [N]`` global vocabulary ids.
 
     ``log Σ_v exp(z_v) − z_label`` (Megatron-LM ``_VocabParallelCrossEntropy``) with ONE collective: each TP rank
-    computes its shard's max ``m_r`` (no gradient), ``l_r = log Σ_{v∈r} exp(z_v − m_r)`` and its label logit (0 when
-    the label is elsewhere); :func:`gather_stats` stacks the three over TP and every rank forms
-    ``logsumexp_r(m_r + l_r) − Σ_r z_label,r``, the same value everywhere. In backward each rank keeps the gradient
-    of its own stats, hence of its own vocabulary shard.
+    stacks its shard's ``m_r + log Σ_{v∈r} exp(z_v − m_r)`` (``m_r`` the shard max) and its label logit (0 when the
+    label is elsewhere), the stats are all-gathered over TP and every rank forms ``logsumexp_r(·) − Σ_r z_label,r``,
+    the same value everywhere. Backward needs no collective: the gradient of the shard's logits is
+    ``softmax − onehot(label)`` times the incoming gradient, from the softmax saved in forward.
     """
-    shift = logits.detach().max(dim=-1).values
-    lse = (logits - shift.unsqueeze(-1)).exp().sum(-1).log() + shift
-    local = labels - vocab_start
-    inside = (local >= 0) & (local < logits.shape[-1])
-    picked = logits.gather(1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * inside
-    stats = gather_stats(torch.stack((lse, picked), dim=-1), link)  # [tp, N, 2]
-    return (stats[..., 0].logsumexp(0) - stats[..., 1].sum(0)) * (labels != IGNORE_INDEX)
+    return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, link)
 
 
 class ParallelHead(nn.Module):
