@@ -71,7 +71,9 @@ class OpAnnotation:
     log-probabilities and a norm's rstd), which keep their size in any training dtype. ``eager_saved_bytes``: the internal saved bytes of
     the node's eager code when they differ from the production kernel's (attention: the math path keeps the
     probabilities, upcast to fp32 — ``eager_saved_fixed_bytes`` is that set's part outside bf16; None: same as
-    ``saved_bytes``); an eager runtime keeps these.
+    ``saved_bytes``); an eager runtime keeps these, and the outputs of ``eager_saved_inputs`` (None: same as
+    ``saved_inputs``). ``view_of``: for a view (an output sharing an input's storage: split, getitem, transpose,
+    reshape), the producer of that input; a saved view keeps its base's whole storage alive.
     """
 
     name: str
@@ -97,6 +99,8 @@ class OpAnnotation:
     eager_saved_bytes: int | None = None
     eager_saved_fixed_bytes: int = 0
     output_fixed_bytes: int = 0
+    eager_saved_inputs: tuple[str, ...] | None = None
+    view_of: str | None = None
 
     @property
     def unit(self) -> str:

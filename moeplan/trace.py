@@ -302,13 +302,16 @@ class _CostProp(ShapeProp):
         kind = _op_kind(self.module, n)
         out, m = measure_node(lambda: getattr(self, n.op)(n.target, args, kwargs), inputs, params)
         saved_bytes, saved_fixed, saved_inputs, causal = m.saved_bytes, m.saved_fixed_bytes, m.saved_inputs, False
+        eager_inputs = None
         if kind == OpKind.ATTENTION:  # saved set of the fused kernel; FLOPs halved for the causal mask
             core = self.module.get_submodule(str(n.target))
             saved_bytes, saved_fixed, saved_inputs = measure_saved(lambda: core.fused_kernel(*args), inputs)
-            causal = core.causal
+            causal, eager_inputs = core.causal, m.saved_inputs
         scale = 0.5 if causal else 1.0
         outs, in_tensors = _tensors(out), [t for t, _ in inputs]
-        is_view = bool(outs) and {_storage_id(o) for o in outs} <= {_storage_id(t) for t in in_tensors}
+        out_ids = {_storage_id(o) for o in outs}
+        is_view = bool(outs) and out_ids <= {_storage_id(t) for t in in_tensors}
+        view_of = next((name for t, name in inputs if _storage_id(t) in out_ids), None) if is_view else None
         path = _module_path(n)
         return OpAnnotation(
             name=n.name, op_kind=kind, module_path=path, layer_kind=self.kind, fwd_flops=m.fwd_flops * scale,
@@ -319,7 +322,8 @@ class _CostProp(ShapeProp):
             shard=_shard_hint(self.root, path, n.op == "call_module"), matmul_mnk=m.gemm, causal=causal,
             fwd_kernels=m.fwd_kernels, bwd_input_kernels=m.bwd_input_kernels, bwd_weight_kernels=m.bwd_weight_kernels,
             saved_fixed_bytes=saved_fixed, eager_saved_bytes=m.saved_bytes, eager_saved_fixed_bytes=m.saved_fixed_bytes,
-            output_fixed_bytes=_nbytes([o for o in outs if o.dtype != ACT_DTYPE]))
+            output_fixed_bytes=_nbytes([o for o in outs if o.dtype != ACT_DTYPE]), eager_saved_inputs=eager_inputs,
+            view_of=view_of)
 
 
 def representative_layer(spec: ModelSpec, kind: LayerKind) -> str:

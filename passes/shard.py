@@ -103,7 +103,7 @@ def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Targe
         if op.op_kind in SELECTIVE_KINDS:
             sel_s += f
             sel_flops += s * op.fwd_flops
-    if target.launch.granularity == "kernel" and lg.ops:
+    if _eager(target) and lg.ops:
         dx += lg.grad_fanout_adds * target.launch.backward_kernel_s
         dw += lg.param_tensor_count * target.launch.backward_kernel_s
     saved, saved_sel = _saved_bytes(lg, layout, target)
@@ -130,20 +130,39 @@ def _dtype_scaled(nbytes: float, fixed_bytes: float, target: Target) -> float:
     return (nbytes - fixed_bytes) * target.dtype_bytes / ACT_BYTES + fixed_bytes
 
 
+def _eager(target: Target) -> bool:
+    return target.launch.granularity == "kernel"
+
+
 def _internal_saved(op: OpAnnotation, target: Target) -> float:
     """Bytes the op keeps internally, in the target's dtype; the eager code's set on an eager (kernel) target."""
-    if target.launch.granularity == "kernel" and op.eager_saved_bytes is not None:
+    if _eager(target) and op.eager_saved_bytes is not None:
         return _dtype_scaled(op.eager_saved_bytes, op.eager_saved_fixed_bytes, target)
     return _dtype_scaled(op.saved_bytes, op.saved_fixed_bytes, target)
 
 
-def _saved_bytes(lg: LayerGraph, layout: Layout, target: Target) -> tuple[int, int]:
-    """(no recompute, selective) saved bytes per micro-batch in the target's dtype; each producer's output once.
+def _saved_inputs(op: OpAnnotation, target: Target) -> tuple[str, ...]:
+    """Producers whose outputs the op keeps; the eager code's on an eager (kernel) target."""
+    if _eager(target) and op.eager_saved_inputs is not None:
+        return op.eager_saved_inputs
+    return op.saved_inputs
 
-    Under selective recompute the ops in SELECTIVE_KINDS drop what they save internally and their outputs are not
-    kept; the inputs they need to be recomputed stay (those are outputs of kept ops or the layer input).
+
+def _saved_bytes(lg: LayerGraph, layout: Layout, target: Target) -> tuple[int, int]:
+    """(no recompute, selective) saved bytes per micro-batch in the target's dtype; each storage once.
+
+    A kept output is charged to the producer that owns its storage (a saved view keeps its base alive:
+    ``OpAnnotation.view_of`` followed to the first non-view). Under selective recompute the ops in SELECTIVE_KINDS
+    drop what they save internally and their outputs are not kept; the inputs they need to be recomputed stay
+    (those are outputs of kept ops or the layer input).
     """
     by_name = {o.name: o for o in lg.ops}
+
+    def base(name: str) -> str:
+        while name in by_name and by_name[name].view_of is not None:
+            name = by_name[name].view_of
+        return name
+
     input_scale = layout.micro_batch / (layout.cp * _sp(layout))
     internal = sel_internal = 0.0
     kept: set[str] = set()
@@ -153,8 +172,10 @@ def _saved_bytes(lg: LayerGraph, layout: Layout, target: Target) -> tuple[int, i
         recomputed = op.op_kind in SELECTIVE_KINDS
         internal += _internal_saved(op, target) * s
         sel_internal += 0.0 if recomputed else _internal_saved(op, target) * s
-        kept.update(op.saved_inputs)
-        kept_sel.update(n for n in op.saved_inputs if n not in by_name or by_name[n].op_kind not in SELECTIVE_KINDS)
+        for name in map(base, _saved_inputs(op, target)):
+            kept.add(name)
+            if name not in by_name or by_name[name].op_kind not in SELECTIVE_KINDS:
+                kept_sel.add(name)
 
     def outputs(names: set[str]) -> float:
         return sum(_dtype_scaled(by_name[n].output_bytes, by_name[n].output_fixed_bytes, target)
