@@ -130,6 +130,15 @@ def _dtype_scaled(nbytes: float, fixed_bytes: float, target: Target) -> float:
     return (nbytes - fixed_bytes) * target.dtype_bytes / ACT_BYTES + fixed_bytes
 
 
+def _kept_scale(op: OpAnnotation, layout: Layout) -> float:
+    """:func:`op_scale` for the bytes of ``op``'s output kept for backward. Under expert-TP (etp > 1) the dispatched
+    rows (full hidden width) of every token of the etp group reach each of its ranks — Megatron-LM's
+    ``MoEAlltoAllTokenDispatcher`` all-gathers them over TP after the all-to-all, moeplan's runtime before it — so
+    the experts keep ``etp`` times the 1/tp share; only the FFN width inside the experts splits over etp."""
+    scale = op_scale(op, layout)
+    return scale * layout.etp if op.op_kind == OpKind.DISPATCH else scale
+
+
 def _eager(target: Target) -> bool:
     return target.launch.granularity == "kernel"
 
@@ -179,7 +188,7 @@ def _saved_bytes(lg: LayerGraph, layout: Layout, target: Target) -> tuple[int, i
 
     def outputs(names: set[str]) -> float:
         return sum(_dtype_scaled(by_name[n].output_bytes, by_name[n].output_fixed_bytes, target)
-                   * op_scale(by_name[n], layout) if n in by_name
+                   * _kept_scale(by_name[n], layout) if n in by_name
                    else _dtype_scaled(lg.input_bytes, 0, target) * input_scale for n in names)
 
     return int(internal + outputs(kept)), int(sel_internal + outputs(kept_sel))
@@ -191,16 +200,32 @@ def _act_bytes(spec: ModelSpec, layout: Layout, target: Target) -> int:
     return layout.micro_batch * layout.seq_len * spec.hidden_size * target.dtype_bytes // (layout.cp * _sp(layout))
 
 
-def _tp_pair(nbytes: int, layout: Layout, target: Target) -> tuple[CommOp, ...]:
-    """One SP block: all-gather + reduce-scatter in forward and the mirror pair in backward (TP group, stride 1)."""
+def _tp_pair(nbytes: int, layout: Layout, target: Target, *, gathered: int | None = None) -> tuple[CommOp, ...]:
+    """One SP block (TP group, stride 1): all-gather of its input (``gathered`` bytes per rank, default ``nbytes``)
+    and reduce-scatter of its ``nbytes``-per-rank output in forward; backward mirrors them (all-gather of the output
+    gradient, reduce-scatter of the input gradient)."""
     if layout.tp == 1:
         return ()
+    gathered = nbytes if gathered is None else gathered
     tier = group_tier(stride=1, group_size=layout.tp, devices_per_node=target.devices_per_node)
-    ag = collective_time_s(kind="all_gather", bytes=nbytes, group_size=layout.tp, tier=tier, target=target)
-    rs = collective_time_s(kind="reduce_scatter", bytes=nbytes * layout.tp, group_size=layout.tp, tier=tier,
-                           target=target)
-    return tuple(CommOp("tp", k, ph, b, layout.tp, tier, t) for ph in ("fwd", "bwd")
-                 for k, b, t in (("all_gather", nbytes, ag), ("reduce_scatter", nbytes * layout.tp, rs)))
+
+    def op(kind: str, phase: str, b: int) -> CommOp:
+        per_rank = b if kind == "all_gather" else b * layout.tp
+        t = collective_time_s(kind=kind, bytes=per_rank, group_size=layout.tp, tier=tier, target=target)
+        return CommOp("tp", kind, phase, per_rank, layout.tp, tier, t)
+
+    return (op("all_gather", "fwd", gathered), op("reduce_scatter", "fwd", nbytes),
+            op("all_gather", "bwd", nbytes), op("reduce_scatter", "bwd", gathered))
+
+
+def _attention_gathered(spec: ModelSpec, act: int) -> int:
+    """Bytes per rank the attention block all-gathers over TP: MLA gathers its latents (moeplan.runtime's
+    ParallelMLA, Megatron-LM MLA under SP: ``q_lora_rank + kv_lora_rank + qk_rope_head_dim`` wide, or the hidden
+    state plus the kv latent without a q latent); other attention the hidden state."""
+    if spec.attention != "mla":
+        return act
+    width = (spec.q_lora_rank or spec.hidden_size) + spec.kv_lora_rank + spec.qk_rope_head_dim
+    return act * width // spec.hidden_size
 
 
 def _ep_ops(spec: ModelSpec, layout: Layout, target: Target) -> tuple[CommOp, ...]:
@@ -248,8 +273,9 @@ def _layer_comm(kind: LayerKind, *, spec: ModelSpec, layout: Layout, target: Tar
     if kind in (LayerKind.EMBEDDING, LayerKind.EMPTY):
         return ()
     if kind in (LayerKind.HEAD, LayerKind.MTP_HEAD):
-        return _tp_pair(act, layout, target)[::2]  # gather before the vocab-parallel output layer, fwd and bwd
-    attn = _tp_pair(act, layout, target) + _cp_ops(spec, layout, target)
+        ops = _tp_pair(act, layout, target)  # gather before the vocab-parallel output layer; its mirror in bwd
+        return (ops[0], ops[3]) if ops else ()
+    attn = _tp_pair(act, layout, target, gathered=_attention_gathered(spec, act)) + _cp_ops(spec, layout, target)
     if kind == LayerKind.DENSE:
         return attn + _tp_pair(act, layout, target)
     moe = _ep_ops(spec, layout, target)

@@ -45,9 +45,11 @@ def test_shard_scales_work_and_inserts_collectives():
     # attention block and MLP block: all-gather + reduce-scatter, forward and backward
     assert sorted((c.kind, c.phase) for c in dense_tp) == sorted(
         [(k, p) for k in ("all_gather", "reduce_scatter") for p in ("fwd", "bwd")] * 2)
-    ag = next(c for c in dense_tp if c.kind == "all_gather")
+    attn_ag, mlp_ag = [c for c in dense_tp if c.kind == "all_gather" and c.phase == "fwd"]
     assert CPU.dtype_bytes == 4  # the cpu emulator trains in fp32: message bytes are fp32
-    assert ag.bytes == 1 * 64 * SPEC.hidden_size * 4 // 2  # b·s·h·4 / sp
+    assert mlp_ag.bytes == 1 * 64 * SPEC.hidden_size * 4 // 2  # b·s·h·4 / sp
+    latents = SPEC.q_lora_rank + SPEC.kv_lora_rank + SPEC.qk_rope_head_dim  # MLA gathers its latents
+    assert attn_ag.bytes == 1 * 64 * latents * 4 // 2
 
 
 def test_shard_ep_dispatch_combine_and_params():
