@@ -146,7 +146,10 @@ class ParallelSwiGLU(nn.Module):
 class ParallelMLA(nn.Module):
     """MLA (DeepSeek-V2 §2.1) with heads split over TP and K/V all-gathered over CP.
 
-    The down projections ``q_a``/``kv_a`` and their norms are replicated (Megatron-LM MLA "duplicated" mode);
+    The down projections ``q_a``/``kv_a`` and their norms are replicated (Megatron-LM MLA "duplicated" mode) and run
+    on the rank's sequence slice; their outputs (the latents, ``q_lora_rank + kv_lora_rank + qk_rope_head_dim`` wide)
+    are all-gathered over TP in one collective (Megatron-LM gathers the compressed q and kv, not the hidden state),
+    so backward keeps the slice and the latents instead of the gathered hidden state.
     ``q_b``/``q_proj``/``kv_b`` are column-parallel by heads, ``o_proj`` row-parallel.
     ``forward(x [b, s/(cp·tp), h]) -> [b, s/(cp·tp), h]``.
     """
@@ -172,13 +175,20 @@ class ParallelMLA(nn.Module):
         self.scale, self.theta = spec.qk_head_dim ** -0.5, spec.rope_theta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        env = self.env
-        full, pos = all_gather(x, 1, env.tp_link), env.cp_positions()
-        q = self.q_b(self.q_a_norm(self.q_a(full))) if self.q_lora_rank else self.q_proj(full)
+        env, pos = self.env, self.env.cp_positions()
+        c_kv, k_pe = self.kv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        if self.q_lora_rank:  # down projections and their norms on the SP slice, ONE all-gather of the latents
+            latents = all_gather(torch.cat((self.q_a_norm(self.q_a(x)), self.kv_norm(c_kv), k_pe), dim=-1), 1,
+                                 env.tp_link)
+            c_q, c_kv, k_pe = latents.split([self.q_lora_rank, self.kv_lora_rank, self.rope_dim], dim=-1)
+            q = self.q_b(c_q)
+        else:
+            full = all_gather(torch.cat((x, self.kv_norm(c_kv), k_pe), dim=-1), 1, env.tp_link)
+            full, c_kv, k_pe = full.split([x.shape[-1], self.kv_lora_rank, self.rope_dim], dim=-1)
+            q = self.q_proj(full)
         q_nope, q_pe = q.unflatten(-1, (self.heads, self.nope + self.rope_dim)).split([self.nope, self.rope_dim], -1)
         q = torch.cat((q_nope, rotary_at(q_pe, pos, dim=self.rope_dim, theta=self.theta)), dim=-1)
-        c_kv, k_pe = self.kv_a(full).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b(self.kv_norm(c_kv)).unflatten(-1, (self.heads, self.nope + self.v_dim))
+        kv = self.kv_b(c_kv).unflatten(-1, (self.heads, self.nope + self.v_dim))
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_pe = rotary_at(k_pe.unsqueeze(2), pos, dim=self.rope_dim, theta=self.theta).expand(-1, -1, self.heads, -1)
         k = torch.cat((k_nope, k_pe), dim=-1)

@@ -242,12 +242,15 @@ def test_comm_log_counts_the_documented_collectives(world2):
     assert all(r["comm_bytes"]["ep/all_to_all/bwd"] == r["comm_bytes"]["ep/all_to_all/fwd"]
                - moe_layers * 2 * 4 * 8 for r in ranks)  # backward: the same rows, no counts exchange
     assert not any(key.startswith(("tp/", "cp/")) for r in ranks for key in r["comm_bytes"])
-    # TP 2 + SP: one all-gather of the SP slice [b, s/2, h] per attention, per FFN (dense, or the shared expert)
-    # and per head (main and MTP), plus per head the cross-entropy's one gather of fp32 [b·s, 2] statistics; no
-    # per-use gradient all-reduce: the replicated gradients go in one flat all-reduce after backward
+    # TP 2 + SP: one all-gather of the SP slice [b, s/2, h] per FFN (dense, or the shared expert) and per head
+    # (main and MTP), per MLA attention one of its latents [b, s/2, q_lora + kv_lora + rope], plus per head the
+    # cross-entropy's one gather of fp32 [b·s, 2] statistics; no per-use gradient all-reduce: the replicated
+    # gradients go in one flat all-reduce after backward
+    latents = TINY.q_lora_rank + TINY.kv_lora_rank + TINY.qk_rope_head_dim
     for res in world2["tp2_sp"]:
         heads = 1 + TINY.num_mtp_layers
-        assert res["comm_bytes"]["tp/all_gather/fwd"] == ((2 * decoder_layers + heads) * b * (s // 2) * h * f64
+        assert res["comm_bytes"]["tp/all_gather/fwd"] == ((decoder_layers + heads) * b * (s // 2) * h * f64
+                                                          + decoder_layers * b * (s // 2) * latents * f64
                                                           + heads * b * s * 2 * 4)
         assert res["comm_calls"]["tp/all_gather/fwd"] == 2 * decoder_layers + 2 * heads
         assert not any(key.startswith("tp/all_reduce") for key in res["comm_calls"])
