@@ -200,5 +200,7 @@ def launch_local(plan: Plan, request: RunRequest) -> None:
         raise RunFailed(_failure_line(e)) from None
     except SignalException as e:
         raise RunFailed(f"interrupted by signal {e.sigval.name}; every rank was stopped") from None
+    except ValueError as e:  # torch elastic read a failed rank's error file while that rank was still writing it
+        raise RunFailed(f"a rank failed and its error report could not be read ({e}); every rank was stopped") from None
     finally:
         quiet.setLevel(level)
