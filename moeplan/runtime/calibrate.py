@@ -35,14 +35,16 @@ repeats after a warm-up (the median is used for the gloo figures):
   all-reduce ≈1.8 ms per 16 KiB message, so α ≈0.77 ms and L ≈0.23 ms (idle: α ≈0.08 ms, L ≈0.1 ms).
 
 Optionally (``fit_model``) the FORWARD launch costs (``forward_kernel_s``, and the per-op ``matmul_s`` /
-``other_s`` of the ``"op"`` granularity) are then scaled by one factor ``k`` fitted to a measured single-process
-training step of that model (``global_batch`` sequences in micro-batches of 1, AdamW): the compiler's prediction for
-that 1-device layout is linear in ``k`` (``T(k) = T(0) + k·(T(1) − T(0))``), so ``k = (T_measured − T(0)) /
-(T(1) − T(0))``. Rationale: the backward of an eager step runs in the autograd engine (C++), so its per-kernel cost
-is the multiply chain's whatever the model; the forward runs the model's Python code between kernels (module calls,
-reshapes, routing), which a one-line chain does not have — on tiny-pangu the measured forward is ≈7 µs per aten
-kernel against ≈3.4 µs for the chain, the backward ≈3.9 µs against ≈3.8 µs. The fit is one calibration of the
-machine with that model family's code, used for every layout; it is reported as such.
+``other_s`` of the ``"op"`` granularity) are then scaled by one factor ``k`` fitted to a measured 1-device
+``moeplan run`` of that model (``global_batch`` sequences in micro-batches of 1: the runtime's executor, parallel
+layers and ZeRO-1 AdamW, median of steps 5–39 as ``moeplan compare`` takes it): the compiler's prediction for that
+layout is linear in ``k`` (``T(k) = T(0) + k·(T(1) − T(0))``), so ``k = (T_measured − T(0)) / (T(1) − T(0))``.
+Rationale: the backward of an eager step runs in the autograd engine (C++), so its per-kernel cost is the multiply
+chain's whatever the model; the forward runs the runtime's Python code between kernels (module calls, reshapes,
+routing, the executor's per-layer dispatch), which a one-line chain does not have — on tiny-pangu the measured
+forward is ≈7 µs per aten kernel against ≈3.2 µs for the chain, the backward ≈3.9 µs against ≈3.9 µs. The fit is
+one calibration of the machine with that model family's runtime code, used for every layout; its layout is reported
+as the fit point, not as a prediction.
 
 The file keeps the base target's other fields (node size, memory), sets every efficiency to 1 (the figures are
 achieved rates) and is written atomically; ``moeplan compile ... --target FILE`` loads it.
@@ -62,6 +64,7 @@ from typing import Callable
 import torch
 import yaml
 
+from moeplan.plan import Plan
 from moeplan.spec import ModelSpec
 from moeplan.targets import Efficiency, LaunchCost, Link, Target, load_target
 
@@ -73,6 +76,7 @@ LOADED_BYTES = 64 * 64 * 4
 BURST_OPS = 300
 LOADED_ITERS = 40
 LOADED_REPEATS = 7
+FIT_STEPS = 40
 LOADED_OPS: dict[str, tuple[float, int]] = {  # op -> (multiple of S/B, α steps) at 2 ranks (cost_models/comm.py)
     "p2p": (1.0, 1), "all_gather": (1.0, 1), "all_to_all": (0.5, 1), "all_reduce": (1.0, 2)}
 
@@ -330,49 +334,40 @@ class LaunchFit:
     predicted_step_s_at_1: float
 
 
-def measure_model_step_s(spec: ModelSpec, *, steps: int = 4) -> float:
-    """Median seconds of a single-process training step of ``spec`` (micro-batches of 1 sequence, AdamW), one
-    thread, random tokens."""
-    from moeplan.models import MoEModel
+def measure_runtime_step_s(plan: Plan, *, steps: int = FIT_STEPS, first_step: int = 5) -> float:
+    """Median seconds per step (steps ``first_step..steps-1``, as ``moeplan compare`` takes them) of ``moeplan run``
+    executing ``plan`` on this machine: the runtime's own processes, executor and optimizer, meters off."""
+    from moeplan.plan import save_plan
+    from moeplan.runtime.compare import read_records
+    from moeplan.runtime.launch import RunRequest, launch_local
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = MoEModel(spec, seed=0)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, spec.vocab_size, (spec.global_batch, spec.seq_len + 1), generator=gen)
-        times = []
-        for _ in range(steps + 1):
-            t0 = time.perf_counter()
-            for row in tokens.split(1):
-                (model(row[:, :-1], row[:, 1:]) / spec.global_batch).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    return statistics.median(times[1:])
+    with tempfile.TemporaryDirectory(prefix="moeplan-calibrate-") as tmp:
+        path, metrics = os.path.join(tmp, "plan.yaml"), os.path.join(tmp, "run.jsonl")
+        save_plan(plan, path)
+        launch_local(plan, RunRequest(plan=path, steps=steps, metrics=metrics, meter_every=steps + 1))
+        records = read_records(metrics)
+    return statistics.median(r.step_time_s for r in records if r.step >= first_step)
 
 
 def fit_launch_scale(spec: ModelSpec, target: Target) -> LaunchFit:
-    """Fit the launch-cost scale of ``target`` to a measured 1-device step of ``spec`` (module docstring)."""
+    """Fit the forward launch-cost scale of ``target`` to a measured 1-device ``moeplan run`` step of ``spec``
+    (micro-batches of 1, the spec's global batch and sequence length; module docstring)."""
     from moeplan.compile import compile_model
     from moeplan.search import Fixed
 
     fixed = Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len, tp=1, pp=1, vpp=1, ep=1, etp=1, cp=1,
                   micro_batch=1)
 
-    def predicted(scale: float) -> float:
+    def compiled(scale: float) -> Plan:
         launch = target.launch.model_copy(update=dict(
             matmul_s=target.launch.matmul_s * scale, other_s=target.launch.other_s * scale,
             forward_kernel_s=target.launch.forward_kernel_s * scale))
-        plan = compile_model(spec=spec, target=target.model_copy(update=dict(launch=launch)), num_devices=1,
+        return compile_model(spec=spec, target=target.model_copy(update=dict(launch=launch)), num_devices=1,
                              fixed=fixed, workers=1, candidates=1).plan
-        return plan.prediction.step_time_s
 
-    measured, at0, at1 = measure_model_step_s(spec), predicted(0.0), predicted(1.0)
+    plan = compiled(1.0)
+    measured = measure_runtime_step_s(plan)
+    at0, at1 = compiled(0.0).prediction.step_time_s, plan.prediction.step_time_s
     return LaunchFit(scale=max(0.0, (measured - at0) / (at1 - at0)), measured_step_s=measured,
                      predicted_step_s_at_0=at0, predicted_step_s_at_1=at1)
 
