@@ -41,6 +41,7 @@ from moeplan.targets import Target
 
 ACT_BYTES = 2  # bf16 activations
 COUNT_BYTES = 8  # one int64 token count per expert, exchanged before each dispatch
+LOSS_BYTES = 4  # one fp32 loss value
 #: ops recomputed under "selective" recompute: cheap to redo, expensive to keep (MindSpeed --recompute-norm,
 #: --recompute-activation-function; Megatron-LM selective core-attention recompute, arXiv 2205.05198 §5)
 SELECTIVE_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.NORM, OpKind.ATTENTION})
@@ -268,13 +269,23 @@ def _cp_ops(spec: ModelSpec, layout: Layout, target: Target) -> tuple[CommOp, ..
             CommOp("cp", "reduce_scatter", "bwd", kv * layout.cp, layout.cp, tier, rs))
 
 
+def _cp_loss_op(layout: Layout, target: Target) -> tuple[CommOp, ...]:
+    """Under CP a head's micro-batch loss VALUE is summed over the CP group (one fp32 scalar all-reduce in forward,
+    moeplan.runtime's ParallelHead) so every rank reports the same loss."""
+    if layout.cp == 1:
+        return ()
+    tier = group_tier(stride=layout.tp, group_size=layout.cp, devices_per_node=target.devices_per_node)
+    t = collective_time_s(kind="all_reduce", bytes=LOSS_BYTES, group_size=layout.cp, tier=tier, target=target)
+    return (CommOp("cp", "all_reduce", "fwd", LOSS_BYTES, layout.cp, tier, t),)
+
+
 def _layer_comm(kind: LayerKind, *, spec: ModelSpec, layout: Layout, target: Target) -> tuple[CommOp, ...]:
     act = _act_bytes(spec, layout, target)
     if kind in (LayerKind.EMBEDDING, LayerKind.EMPTY):
         return ()
     if kind in (LayerKind.HEAD, LayerKind.MTP_HEAD):
         ops = _tp_pair(act, layout, target)  # gather before the vocab-parallel output layer; its mirror in bwd
-        return (ops[0], ops[3]) if ops else ()
+        return ((ops[0], ops[3]) if ops else ()) + _cp_loss_op(layout, target)
     attn = _tp_pair(act, layout, target, gathered=_attention_gathered(spec, act)) + _cp_ops(spec, layout, target)
     if kind == LayerKind.DENSE:
         return attn + _tp_pair(act, layout, target)

@@ -6,8 +6,8 @@ share of causal-attention work. With sequence parallelism on top, the rank's ``s
 contiguous pieces and TP rank ``t`` holds piece ``t``: a rank's hidden state is ``[b, s/(cp·tp), h]``.
 
 Attention (all-gather variant, Megatron-LM ``--cp-comm-type all_gather``): each CP rank computes queries, keys and
-values of its own ``s/cp`` positions, all-gathers K and V over the CP group (backward: reduce-scatter of their
-gradients) and attends with a causal mask built from the global positions of queries and keys.
+values of its own ``s/cp`` positions, all-gathers K and V over the CP group in one collective (backward: one
+reduce-scatter of their gradients) and attends with a causal mask built from the global positions of queries and keys.
 """
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, positions
     gqa = q.shape[1] != k.shape[1]
     if cp.size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    k_all, v_all = all_gather(k, 2, cp), all_gather(v, 2, cp)
+    kv = all_gather(torch.cat((k, v), dim=-1), 2, cp)  # one collective for K and V
+    # separate storages, so what attention saves of V does not keep the gathered K alive
+    k_all, v_all = (t.contiguous() for t in kv.split([k.shape[-1], v.shape[-1]], dim=-1))
     mask = key_positions.to(q.device)[None, :] <= positions.to(q.device)[:, None]  # [sq, s], True = attend
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
