@@ -11,7 +11,9 @@ buffer of an all-to-all, the message of a p2p transfer. With ``n`` ranks, ``B = 
     all_to_all       (n−1)/n · S/B +  (n−1)·α      (pairwise exchange; S = the send buffer)
     p2p                        S/B +        α
 
-plus ``target.launch.collective_s`` per op; a group of one rank or an empty payload costs 0. Sources: Thakur,
+plus ``target.launch.collective_s`` per op; a group of one rank or an empty payload costs 0. A calibrated target may
+list a measured 2-rank latency per kind (``launch.collective_latency_s``), which then replaces ``steps·α +
+collective_s``, scaled by the kind's α steps at n ranks over those at 2. Sources: Thakur,
 Rabenseifner & Gropp, "Optimization of collective communication operations in MPICH", IJHPCA 19(1), 2005, §2–4
 (the α–β costs of ring/recursive algorithms); NCCL's performance notes (nccl-tests ``doc/PERFORMANCE.md``: bus
 bandwidth = algorithm bandwidth × 2(n−1)/n for all-reduce, (n−1)/n for all-gather / reduce-scatter).
@@ -82,6 +84,9 @@ def collective_time_s(*, kind: CollectiveKind, bytes: float, group_size: int, ti
     if group_size == 1 or bytes == 0:
         return 0.0
     bandwidth = link.bandwidth_bytes_per_s * target.efficiency.comm
+    measured = target.launch.collective_latency_s.get(kind)
+    if measured is not None:  # a calibrated 2-rank latency, scaled by the algorithm's α steps
+        return volume * bytes / bandwidth + measured * steps / _volume_and_steps(kind, 2)[1]
     return volume * bytes / bandwidth + steps * link.latency_s + target.launch.collective_s
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -34,6 +34,9 @@ class Efficiency(BaseModel):
     comm: float = Field(default=0.7, gt=0, le=1)
 
 
+CommKind = Literal["p2p", "all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
+
+
 class LaunchCost(BaseModel):
     """Fixed cost per kernel or collective launch, seconds (Ascend/msmodeling: 5 µs matmul, 2 µs other, 10 µs comm).
 
@@ -46,6 +49,12 @@ class LaunchCost(BaseModel):
       forward and backward kernels differ: ``forward_kernel_s`` includes recording the autograd graph,
       ``backward_kernel_s`` the autograd engine's per-node work (measured by ``moeplan calibrate``). The kernel
       counts come from the trace (``OpAnnotation.fwd_kernels`` etc.).
+
+    ``collective_latency_s`` (calibrated targets): the measured fixed cost of one 2-rank collective of each listed
+    kind (``p2p``, ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``), link latency and launch
+    included; a listed kind costs that, times its α step count at n ranks over that at 2, instead of
+    ``steps·α + collective_s`` (cost_models/comm.py). ``moeplan calibrate`` measures it per kind because gloo's
+    collectives differ more than the α–β step counts say (its reduce-scatter costs as much as an all-reduce).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -55,6 +64,7 @@ class LaunchCost(BaseModel):
     granularity: Literal["op", "kernel"] = "op"
     forward_kernel_s: float = Field(default=0.0, ge=0)
     backward_kernel_s: float = Field(default=0.0, ge=0)
+    collective_latency_s: dict[CommKind, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
 
 
 class Target(BaseModel):

@@ -188,6 +188,20 @@ def test_reduce_scatter_all_gather_all_to_all_p2p_hand_computed() -> None:
         pytest.approx(1.0 + 1.5e-6 + COLL_LAUNCH)
 
 
+def test_measured_collective_latency_replaces_alpha_steps() -> None:
+    # a calibrated target lists its 2-rank latency per kind; n ranks scale it by the kind's α steps (n-1 or 2(n-1))
+    launch = H100.launch.model_copy(update=dict(collective_latency_s={"reduce_scatter": 2e-3, "all_gather": 1e-3}))
+    target = H100.model_copy(update=dict(launch=launch))
+    bw = H100.intra_node.bandwidth_bytes_per_s * H100.efficiency.comm
+    assert collective_time_s(kind="reduce_scatter", bytes=1e6, group_size=2, tier="intra", target=target) == \
+        pytest.approx(0.5 * 1e6 / bw + 2e-3)
+    assert collective_time_s(kind="all_gather", bytes=1e6, group_size=4, tier="intra", target=target) == \
+        pytest.approx(3 * 1e6 / bw + 3 * 1e-3)
+    # kinds it does not list keep the α–β formula
+    assert collective_time_s(kind="all_reduce", bytes=1e6, group_size=2, tier="intra", target=target) == \
+        collective_time_s(kind="all_reduce", bytes=1e6, group_size=2, tier="intra", target=H100)
+
+
 def test_collective_scaling_laws() -> None:
     def bw_part(kind: str, nbytes: float, n: int, tier: str = "intra") -> float:
         fixed = collective_time_s(kind=kind, bytes=1e-30, group_size=n, tier=tier, target=H100)

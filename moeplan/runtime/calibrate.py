@@ -23,16 +23,18 @@ repeats after a warm-up (the median is used for the gloo figures):
 - gloo latency UNDER LOAD (what training sees): each of the 2 ranks alternates a compute burst (``BURST_OPS`` eager
   kernels of tiny-pangu's size, a 64×64 by 64×128 matmul and an add per pair, ≈2.5 ms here) with one comm op of
   ``LOADED_BYTES`` (a tiny-pangu PP handoff: seq 64 × hidden 64 × fp32): p2p (a send and a recv per iteration),
-  ``all_to_all_single``, ``all_reduce``, ``all_gather``. The effective cost per message is the loop's period minus
-  the period of the same bursts with no comm (both ranks busy), the median of ``LOADED_REPEATS`` runs of
-  ``LOADED_ITERS`` iterations. Why: with 2 ranks on 2 cores no core is idle, so gloo's transport threads are
-  scheduled against the ranks' compute (and a message waits for its peer to leave its burst); an idle ping-pong,
-  each rank asleep in recv, misses that — 110–180 µs per message where training paid 0.5–1 ms per PP handoff and
-  ≈445 µs per EP all-to-all. With the comm model's 2-rank α step counts (p2p, all_gather, all_to_all: 1;
-  all_reduce: 2; each plus L), α and L are the least-squares fit (each at least 0, :func:`fit_alpha_launch`) of
-  ``t_op − volume·S/B = steps·α + L`` over the four ops. It is a property of the machine, measured once and used
-  for every layout (no per-layout factor). Measured here: p2p ≈0.7 ms, all-to-all and all-gather ≈1.15 ms,
-  all-reduce ≈1.8 ms per 16 KiB message, so α ≈0.77 ms and L ≈0.23 ms (idle: α ≈0.08 ms, L ≈0.1 ms).
+  ``all_to_all_single``, ``all_reduce``, and the runtime's ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
+  The effective cost per message is the loop's period minus the period of the same bursts with no comm (both ranks
+  busy), the median of ``LOADED_REPEATS`` runs of ``LOADED_ITERS`` iterations. Why: with 2 ranks on 2 cores no core
+  is idle, so gloo's transport threads are scheduled against the ranks' compute (and a message waits for its peer
+  to leave its burst); an idle ping-pong, each rank asleep in recv, misses that — 110–180 µs per message where
+  training paid 0.5–1 ms per PP handoff and ≈0.85 ms per EP all-to-all. Each kind's cost less its transfer time
+  (``volume·S/B``) is written as that kind's ``launch.collective_latency_s``, which the comm model uses instead of
+  its α step counts: gloo's kinds do not follow them (its reduce-scatter costs about what an all-reduce does,
+  ≈1.5–2 ms, against ≈1.2–1.4 ms for an all-gather and ≈1.35 ms for an all-to-all of 16 KiB here). α and L are
+  α and L are still fitted (least squares of ``t_op − volume·S/B = steps·α + L``, each at least 0, :func:`fit_alpha_launch`)
+  for the link fields. It is a property of the machine, measured once and used for every layout (no per-layout
+  factor).
 
 Optionally (``fit_model``) the FORWARD launch costs (``forward_kernel_s``, and the per-op ``matmul_s`` /
 ``other_s`` of the ``"op"`` granularity) are then scaled by one factor ``k`` fitted to a measured 1-device
@@ -65,6 +67,7 @@ import torch
 import yaml
 
 from moeplan.plan import Plan
+from moeplan.runtime.parallel import _ALL_GATHER, _REDUCE_SCATTER
 from moeplan.spec import ModelSpec
 from moeplan.targets import Efficiency, LaunchCost, Link, Target, load_target
 
@@ -78,7 +81,8 @@ LOADED_ITERS = 40
 LOADED_REPEATS = 7
 FIT_STEPS = 40
 LOADED_OPS: dict[str, tuple[float, int]] = {  # op -> (multiple of S/B, α steps) at 2 ranks (cost_models/comm.py)
-    "p2p": (1.0, 1), "all_gather": (1.0, 1), "all_to_all": (0.5, 1), "all_reduce": (1.0, 2)}
+    "p2p": (1.0, 1), "all_gather": (1.0, 1), "all_to_all": (0.5, 1), "all_reduce": (1.0, 2),
+    "reduce_scatter": (0.5, 1)}
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,12 @@ class Calibration:
         alpha, launch = fit_alpha_launch({op: t - LOADED_OPS[op][0] * LOADED_BYTES / bandwidth
                                           for op, t in self.loaded_s.items()})
         return Link(bandwidth_bytes_per_s=bandwidth, latency_s=alpha), launch
+
+    def collective_latency_s(self) -> dict[str, float]:
+        """Per kind, the loaded cost of one 2-rank collective less its transfer time at the idle bandwidth: the
+        target's ``launch.collective_latency_s`` (each kind as measured, not through the α–L fit)."""
+        bandwidth = self.comm_link()[0].bandwidth_bytes_per_s
+        return {op: max(0.0, t - LOADED_OPS[op][0] * LOADED_BYTES / bandwidth) for op, t in self.loaded_s.items()}
 
 
 def fit_alpha_launch(latency_s: dict[str, float]) -> tuple[float, float]:
@@ -255,8 +265,10 @@ def _comm_op(op: str, rank: int, buf: torch.Tensor, out: torch.Tensor) -> None:
         dist.all_to_all_single(out, buf)
     elif op == "all_reduce":
         dist.all_reduce(buf)
-    elif op == "all_gather":
-        dist.all_gather([out, torch.empty_like(out)], buf)
+    elif op == "all_gather":  # the runtime's calls (moeplan.runtime.parallel)
+        _ALL_GATHER(torch.cat((out, out)), buf)
+    elif op == "reduce_scatter":
+        _REDUCE_SCATTER(out[:out.numel() // 2], buf)
     else:
         raise ValueError(f"op={op!r}: must be one of {sorted(LOADED_OPS)}")
 
@@ -318,7 +330,8 @@ def calibrated_target(base: Target, cal: Calibration, *, name: str, launch_scale
         hbm_bandwidth_bytes_per_s=cal.memory_bytes_per_s, host_bandwidth_bytes_per_s=cal.memory_bytes_per_s,
         intra_node=link, inter_node=link, efficiency=Efficiency(compute=1.0, memory=1.0, comm=1.0),
         launch=LaunchCost(matmul_s=cal.launch_matmul_s * launch_scale, other_s=cal.launch_other_s * launch_scale,
-                          collective_s=collective_s, granularity="kernel",
+                          collective_s=collective_s, collective_latency_s=cal.collective_latency_s(),
+                          granularity="kernel",
                           forward_kernel_s=cal.forward_kernel_s * launch_scale,
                           backward_kernel_s=cal.backward_kernel_s),
         training_dtype="fp32", variant=None))
@@ -385,8 +398,8 @@ def write_target(target: Target, cal: Calibration, path: str | Path, *, fit: Lau
              f"backward {cal.backward_kernel_s * 1e6:.2f} us",
              *(f"#   gloo 2 ranks {s} B: p2p {cal.p2p_s[s] * 1e6:.1f} us, all-reduce {cal.all_reduce_s[s] * 1e6:.1f} us"
                for s in sorted(cal.p2p_s)),
-             f"#   gloo 2 ranks, {LOADED_BYTES} B between compute bursts (alpha and launch.collective_s fitted to "
-             "these): " + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in sorted(cal.loaded_s.items()))]
+             f"#   gloo 2 ranks, {LOADED_BYTES} B between compute bursts (launch.collective_latency_s, less the "
+             "transfer time): " + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in sorted(cal.loaded_s.items()))]
     if fit is not None:
         lines.append(f"# forward launch costs x {fit.scale:.2f}, fitted to a measured 1-device {fit_model} step of "
                      f"{fit.measured_step_s * 1e3:.1f} ms (predicted {fit.predicted_step_s_at_0 * 1e3:.1f} ms "

@@ -181,6 +181,10 @@ def test_calibrate_writes_a_target_the_compiler_uses(tmp_path):
                                       for op, t in loaded.items()})
     assert target.intra_node.latency_s == pytest.approx(alpha, rel=1e-3, abs=5e-7)
     assert target.launch.collective_s == pytest.approx(launch, rel=1e-3, abs=5e-7)
+    # per kind (reduce-scatter included), the loaded cost less its transfer time is the target's measured latency
+    assert target.launch.collective_latency_s == pytest.approx(
+        {op: max(0.0, t - LOADED_OPS[op][0] * LOADED_BYTES / bandwidth) for op, t in loaded.items()},
+        rel=1e-3, abs=5e-7)
     assert target.inter_node == target.intra_node
     plan = tmp_path / "plan.yaml"
     proc = moeplan("compile", "tiny-pangu", "--target", str(out), "--devices", "2", "--pp", "2", "-o", str(plan))
