@@ -7,6 +7,7 @@ Every collective is a ``torch.autograd.Function`` whose backward is the transpos
 function               forward                      backward
 =====================  ===========================  ===========================
 ``all_gather``         all-gather along ``dim``     reduce-scatter (sum)
+``gather_linears``     all-gather, then linears     all-gather of the saved slice, reduce-scatter
 ``reduce_scatter``     reduce-scatter (sum)         all-gather
 ``value_all_reduce``   all-reduce (sum)             identity
 ``all_to_all``         all_to_all_single (splits)   all_to_all_single (splits swapped)
@@ -34,6 +35,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 Group = dist.ProcessGroup | None
 CommClass = Literal["tp", "ep", "cp", "dp", "pp"]
@@ -129,6 +131,31 @@ class _AllGather(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.dim, ctx.link.group), None, None
 
 
+class _GatherLinears(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, link, *weights):
+        ctx.dim, ctx.link = dim, link
+        link.record("all_gather", "fwd", x)
+        full = _gather(x, dim, link.group)
+        ctx.save_for_backward(x, *weights)  # the slice, not the gathered input
+        return tuple(F.linear(full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        ctx.link.record("all_gather", "bwd", x)
+        full = _gather(x, ctx.dim, ctx.link.group).flatten(0, -2)
+        dfull, dweights = None, []
+        for g, w in zip(grads, weights):
+            if g is None:
+                dweights.append(None)
+                continue
+            dweights.append(g.flatten(0, -2).t() @ full)
+            dfull = g @ w if dfull is None else dfull + g @ w
+        ctx.link.record("reduce_scatter", "bwd", dfull)
+        return (_reduce_scatter(dfull, ctx.dim, ctx.link.group), None, None, *dweights)
+
+
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, link):
@@ -176,6 +203,17 @@ class _AllToAll(torch.autograd.Function):
 def all_gather(x: torch.Tensor, dim: int, link: Link) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in group-rank order (equal shapes); backward reduce-scatters."""
     return x if link.group is None else _AllGather.apply(x, dim, link)
+
+
+def gather_linears(x: torch.Tensor, dim: int, link: Link, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``F.linear(all_gather(x, dim), w)`` for each weight ``w [out, in]`` (column-parallel layers sharing one
+    sequence-parallel input): ONE all-gather in forward, and backward keeps only this rank's slice ``x`` and
+    all-gathers it again for the weight gradients, then reduce-scatters the input gradient (Megatron-LM
+    ``LinearWithGradAccumulationAndAsyncCommunication`` under ``sequence_parallel``: activation memory 1/tp of the
+    gathered input for one more all-gather per backward)."""
+    if link.group is None:
+        return tuple(F.linear(x, w) for w in weights)
+    return _GatherLinears.apply(x, dim, link, *weights)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, link: Link) -> torch.Tensor:

@@ -30,8 +30,8 @@ from moeplan.plan import PlanLayout
 from moeplan.runtime.context_parallel import (cp_attention, cp_positions, gathered_key_positions, local_positions,
                                               rotary_at)
 from moeplan.runtime.groups import ParallelGroups, RankCoords
-from moeplan.runtime.parallel import (CommLog, Link, ParamShard, Sharded, TPReplicated, all_gather, gather_no_grad,
-                                      reduce_scatter, split_range, value_all_reduce)
+from moeplan.runtime.parallel import (CommLog, Link, ParamShard, Sharded, TPReplicated, all_gather, gather_linears,
+                                      gather_no_grad, reduce_scatter, split_range, value_all_reduce)
 from moeplan.spec import ModelSpec
 
 
@@ -126,7 +126,8 @@ def sp_norm(env: ShardEnv) -> ReplicatedNorm:
 class ParallelSwiGLU(nn.Module):
     """TP SwiGLU (dense FFN, merged shared experts): ``forward(x [b, s/(cp·tp), h]) -> same``.
 
-    All-gather over TP, ``w1``/``w3`` column-parallel, ``w2`` row-parallel, reduce-scatter over TP.
+    All-gather over TP into ``w1``/``w3`` (column-parallel; :func:`gather_linears`: backward keeps the slice and
+    gathers it again), ``w2`` row-parallel, reduce-scatter over TP.
     """
 
     def __init__(self, hidden: int, ffn: int, env: ShardEnv) -> None:
@@ -138,8 +139,8 @@ class ParallelSwiGLU(nn.Module):
         self.w2 = RowLinear(ffn, hidden, env)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        full = all_gather(x, 1, self.link)
-        return reduce_scatter(self.w2(F.silu(self.w1(full)) * self.w3(full)), 1, self.link)
+        h1, h3 = gather_linears(x, 1, self.link, self.w1.weight, self.w3.weight)
+        return reduce_scatter(self.w2(F.silu(h1) * h3), 1, self.link)
 
 
 # ---- attention -----------------------------------------------------------------------------------------------------
@@ -340,7 +341,7 @@ class ParallelHead(nn.Module):
             pad = torch.full_like(labels[:, :self.depth], IGNORE_INDEX)
             labels = torch.cat((labels[:, self.depth:], pad), dim=1)
         mine = labels.index_select(1, env.cp_positions().to(labels.device))
-        logits = self.output(all_gather(self.norm(hidden), 1, env.tp_link)).float()
+        logits = gather_linears(self.norm(hidden), 1, env.tp_link, self.output.weight)[0].float()
         start = self.output.param_shards["weight"].start
         per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), mine.flatten(), vocab_start=start,
                                                  link=env.tp_link)

@@ -253,6 +253,10 @@ def test_comm_log_counts_the_documented_collectives(world2):
                                                           + decoder_layers * b * (s // 2) * latents * f64
                                                           + heads * b * s * 2 * 4)
         assert res["comm_calls"]["tp/all_gather/fwd"] == 2 * decoder_layers + 2 * heads
+        # backward: the mirror of every forward reduce-scatter, plus the re-gather of the slice the column linears
+        # of each FFN and head kept (gather_linears)
+        assert res["comm_calls"]["tp/all_gather/bwd"] == (res["comm_calls"]["tp/reduce_scatter/fwd"]
+                                                          + decoder_layers + heads)
         assert not any(key.startswith("tp/all_reduce") for key in res["comm_calls"])
         assert res["tp_grad_bytes"] == res["replicated_numel"] * f64 > 0
         assert res["comm_bytes"]["ep/all_gather/fwd"] == moe_layers * b * (s // 2) * h * f64  # expert-TP gather
