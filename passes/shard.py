@@ -4,8 +4,10 @@ Per layer kind it scales the traced per-sequence op costs to one micro-batch on 
 target (compute model), then adds the in-layer collectives (comm model):
 
 - **TP with SP** (Korthikanti et al. arXiv 2205.05198 §4.2.2): per attention or MLP block an all-gather of the
-  sequence-split activation before and a reduce-scatter after in forward, the mirror pair in backward; without SP
-  (tp > 1 only when sp is off, which moeplan never chooses) it would be one all-reduce each way.
+  sequence-split activation before and a reduce-scatter after in forward, the mirror pair in backward, and for the
+  column-parallel MLP and output layers one more all-gather in backward of the input they kept as the slice
+  (Megatron-LM's sequence-parallel linear); MLA gathers its latents instead of the hidden state (Megatron-LM MLA).
+  Without SP (tp > 1 only when sp is off, which moeplan never chooses) it would be one all-reduce each way.
 - **EP** (Megatron-LM ``MoEAlltoAllTokenDispatcher``; MindSpeed ``--moe-tp-extend-ep``, FACTS §3): dispatch and
   combine all-to-alls over the ``ep·tp/etp`` expert shards, each moving the device's routed copies
   (tokens · top_k · hidden · 2 bytes), in forward and again in backward, after a small all-to-all of per-expert
@@ -201,10 +203,13 @@ def _act_bytes(spec: ModelSpec, layout: Layout, target: Target) -> int:
     return layout.micro_batch * layout.seq_len * spec.hidden_size * target.dtype_bytes // (layout.cp * _sp(layout))
 
 
-def _tp_pair(nbytes: int, layout: Layout, target: Target, *, gathered: int | None = None) -> tuple[CommOp, ...]:
+def _tp_pair(nbytes: int, layout: Layout, target: Target, *, gathered: int | None = None,
+             regather: bool = True) -> tuple[CommOp, ...]:
     """One SP block (TP group, stride 1): all-gather of its input (``gathered`` bytes per rank, default ``nbytes``)
     and reduce-scatter of its ``nbytes``-per-rank output in forward; backward mirrors them (all-gather of the output
-    gradient, reduce-scatter of the input gradient)."""
+    gradient, reduce-scatter of the input gradient) and, with ``regather``, all-gathers the input again for the
+    weight gradients (Megatron-LM's sequence-parallel column linear keeps only the slice; moeplan.runtime
+    ``gather_linears``)."""
     if layout.tp == 1:
         return ()
     gathered = nbytes if gathered is None else gathered
@@ -216,7 +221,8 @@ def _tp_pair(nbytes: int, layout: Layout, target: Target, *, gathered: int | Non
         return CommOp("tp", kind, phase, per_rank, layout.tp, tier, t)
 
     return (op("all_gather", "fwd", gathered), op("reduce_scatter", "fwd", nbytes),
-            op("all_gather", "bwd", nbytes), op("reduce_scatter", "bwd", gathered))
+            op("all_gather", "bwd", nbytes), op("reduce_scatter", "bwd", gathered)) + (
+        (op("all_gather", "bwd", gathered),) if regather else ())
 
 
 def _attention_gathered(spec: ModelSpec, act: int) -> int:
@@ -284,14 +290,16 @@ def _layer_comm(kind: LayerKind, *, spec: ModelSpec, layout: Layout, target: Tar
     if kind in (LayerKind.EMBEDDING, LayerKind.EMPTY):
         return ()
     if kind in (LayerKind.HEAD, LayerKind.MTP_HEAD):
-        ops = _tp_pair(act, layout, target)  # gather before the vocab-parallel output layer; its mirror in bwd
-        return ((ops[0], ops[3]) if ops else ()) + _cp_loss_op(layout, target)
-    attn = _tp_pair(act, layout, target, gathered=_attention_gathered(spec, act)) + _cp_ops(spec, layout, target)
+        # gather before the vocab-parallel output layer; in bwd its mirror and the re-gather
+        ops = _tp_pair(act, layout, target)
+        return ((ops[0], ops[3], ops[4]) if ops else ()) + _cp_loss_op(layout, target)
+    attn = (_tp_pair(act, layout, target, gathered=_attention_gathered(spec, act), regather=False)
+            + _cp_ops(spec, layout, target))
     if kind == LayerKind.DENSE:
         return attn + _tp_pair(act, layout, target)
     moe = _ep_ops(spec, layout, target)
     if spec.num_shared_experts or not layout.tp_extend_ep:
-        moe += _tp_pair(act, layout, target)
+        moe += _tp_pair(act, layout, target, regather=bool(spec.num_shared_experts))
     return attn + moe
 
 

@@ -42,9 +42,10 @@ def test_shard_scales_work_and_inserts_collectives():
         assert two[kind].executed_flops < one[kind].executed_flops
         assert one[kind].comm == ()
     dense_tp = [c for c in two[LayerKind.DENSE].comm if c.comm_class == "tp"]
-    # attention block and MLP block: all-gather + reduce-scatter, forward and backward
+    # attention block and MLP block: all-gather + reduce-scatter, forward and backward; the MLP's column linears
+    # gather their input again in backward (they keep the sequence-parallel slice)
     assert sorted((c.kind, c.phase) for c in dense_tp) == sorted(
-        [(k, p) for k in ("all_gather", "reduce_scatter") for p in ("fwd", "bwd")] * 2)
+        [(k, p) for k in ("all_gather", "reduce_scatter") for p in ("fwd", "bwd")] * 2 + [("all_gather", "bwd")])
     attn_ag, mlp_ag = [c for c in dense_tp if c.kind == "all_gather" and c.phase == "fwd"]
     assert CPU.dtype_bytes == 4  # the cpu emulator trains in fp32: message bytes are fp32
     assert mlp_ag.bytes == 1 * 64 * SPEC.hidden_size * 4 // 2  # b·s·h·4 / sp
