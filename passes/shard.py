@@ -30,7 +30,7 @@ attention keeps its probabilities), as the runtime's autograd keeps them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from moeplan.cost_models.comm import all_to_all_time_s, collective_time_s, group_tier
@@ -252,11 +252,19 @@ def _ep_ops(spec: ModelSpec, layout: Layout, target: Target) -> tuple[CommOp, ..
                           all_to_all_time_s(bytes=counts, group_size=n, stride=stride, target=target)))
     if layout.etp > 1:
         tier = group_tier(stride=1, group_size=layout.etp, devices_per_node=target.devices_per_node)
-        ag = collective_time_s(kind="all_gather", bytes=routed, group_size=layout.etp, tier=tier, target=target)
-        rs = collective_time_s(kind="reduce_scatter", bytes=routed * layout.etp, group_size=layout.etp, tier=tier,
-                               target=target)
-        ops += [CommOp("ep", k, ph, b, layout.etp, tier, t) for ph in ("fwd", "bwd")
-                for k, b, t in (("all_gather", routed, ag), ("reduce_scatter", routed * layout.etp, rs))]
+
+        def pair(nbytes: int) -> list[CommOp]:
+            ag = collective_time_s(kind="all_gather", bytes=nbytes, group_size=layout.etp, tier=tier, target=target)
+            rs = collective_time_s(kind="reduce_scatter", bytes=nbytes * layout.etp, group_size=layout.etp,
+                                   tier=tier, target=target)
+            return [CommOp("ep", "all_gather", "fwd", nbytes, layout.etp, tier, ag),
+                    CommOp("ep", "reduce_scatter", "bwd", nbytes * layout.etp, layout.etp, tier, rs)]
+
+        # the routed rows (and their mirror, the combined outputs), and the routing itself: gates and expert ids
+        # of the rank's tokens (Megatron-LM gathers probs and the routing map over TP)
+        ops += pair(routed) + [replace(o, phase="bwd" if o.phase == "fwd" else "fwd")
+                               for o in pair(routed)]
+        ops += pair(_act_bytes(spec, layout, target) // spec.hidden_size * 2 * spec.top_k)
     return tuple(ops)
 
 

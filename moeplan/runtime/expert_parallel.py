@@ -6,8 +6,10 @@ Per forward, on a rank whose hidden state is its SP slice ``[b, s/(cp·tp), h]``
 1. **Tokens.** With expert-TP (``etp > 1``) the slice is all-gathered over the etp group, so the etp peers hold the
    same tokens; otherwise (``etp = 1``: plain EP or TP-extend-EP) the rank routes its own SP slice — under SP the
    TP ranks already hold different tokens, so the TP group extends the expert group without a gather.
-2. **Routing** with the model family's :class:`moeplan.models.Router` (same scores, ``select`` — top-k,
-   group-limited, MoGE — and gates), the gate weight's gradient summed over TP once per step. Drop-and-pad
+2. **Routing** of the rank's own SP slice with the model family's :class:`moeplan.models.Router` (same scores,
+   ``select`` — top-k, group-limited, MoGE — and gates), the gate weight's gradient summed over TP once per step;
+   under expert-TP the chosen experts and gates are then all-gathered over etp with the tokens (Megatron-LM routes
+   before its dispatcher gathers over TP), so the router keeps only the slice for backward. Drop-and-pad
    (``capacity_factor``) keeps, per expert, the first ``C`` slots of the WHOLE micro-batch in token order exactly
    as moeplan.models.TokenPermute: the chosen experts of all tp×cp ranks are all-gathered to decide it. The
    auxiliary load-balance loss uses micro-batch-wide expert shares (all-reduced), so its gradient is exact too.
@@ -121,37 +123,39 @@ class ParallelMoE(nn.Module):
                 owner[e], local[e] = r, i
         self.owner, self.local_index = tuple(owner), tuple(local)
 
-    def _token_rows(self, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat micro-batch index ``b·s + position`` of each routed row, and the rows that are this rank's own."""
+    def _token_rows(self, batch: int, device: torch.device) -> torch.Tensor:
+        """Flat micro-batch index ``b·s + position`` of each row of the etp-gathered tokens."""
         env, lay = self.env, self.env.layout
         base = env.coords.tp_rank - env.coords.etp_rank
         pos = torch.cat([env.positions(base + r) for r in range(lay.etp)]).to(device)
-        flat = (torch.arange(batch, device=device)[:, None] * lay.seq_len + pos[None, :]).flatten()
-        per = pos.numel() // lay.etp
-        own = (torch.arange(batch, device=device)[:, None] * pos.numel() + env.coords.etp_rank * per
-               + torch.arange(per, device=device)[None, :]).flatten()
-        return flat, own
+        return (torch.arange(batch, device=device)[:, None] * lay.seq_len + pos[None, :]).flatten()
 
-    def _keep(self, idx: torch.Tensor, rows: torch.Tensor, own: torch.Tensor, batch: int) -> torch.Tensor:
-        """Drop-and-pad decision for ``rows`` from the chosen experts of every rank of the micro-batch."""
+    def _keep(self, own_idx: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
+        """Drop-and-pad decision for ``rows`` from the chosen experts ``own_idx`` of every rank of the micro-batch."""
         env, lay = self.env, self.env.layout
-        every = gather_no_grad(idx.index_select(0, own), env.tp_cp_link)  # tp_cp order: tp innermost, then cp
+        every = gather_no_grad(own_idx, env.tp_cp_link)  # tp_cp order: tp innermost, then cp
         where = torch.cat([
             (torch.arange(batch)[:, None] * lay.seq_len + local_positions(
                 lay.seq_len, cp=lay.cp, cp_rank=c, tp=lay.tp, tp_rank=t)[None, :]).flatten()
-            for c in range(lay.cp) for t in range(lay.tp)]).to(idx.device)
-        whole = torch.empty((batch * lay.seq_len, idx.shape[1]), dtype=idx.dtype, device=idx.device)
+            for c in range(lay.cp) for t in range(lay.tp)]).to(own_idx.device)
+        whole = torch.empty((batch * lay.seq_len, own_idx.shape[1]), dtype=own_idx.dtype, device=own_idx.device)
         whole[where] = every
         keep = capacity_keep(whole, num_experts=env.spec.num_experts, capacity_factor=env.spec.capacity_factor)
         return keep.index_select(0, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         env, batch = self.env, x.shape[0]
-        tokens = all_gather(x, 1, env.etp_link)
-        flat = tokens.reshape(-1, self.hidden)
-        rows, own = self._token_rows(batch, x.device)
-        idx, gates = self.router(flat, own, batch * env.layout.seq_len)
-        keep = None if env.spec.capacity_factor is None else self._keep(idx, rows, own, batch)
+        own = x.reshape(-1, self.hidden)
+        own_idx, own_gates = self.router(own, torch.arange(own.shape[0], device=x.device), batch * env.layout.seq_len)
+        k = own_idx.shape[1]
+        # expert-TP: the etp group's tokens and their routing (gates and expert ids in one message; ids are exact in
+        # floating point), gathered along the sequence (dim 1)
+        flat = all_gather(x, 1, env.etp_link).reshape(-1, self.hidden)
+        routing = torch.cat((own_gates, own_idx.to(own_gates.dtype)), dim=-1).view(batch, -1, 2 * k)
+        gates, idx = all_gather(routing, 1, env.etp_link).reshape(-1, 2 * k).split(k, dim=-1)
+        idx = idx.long()
+        rows = self._token_rows(batch, x.device)
+        keep = None if env.spec.capacity_factor is None else self._keep(own_idx, rows, batch)
         routed = self._routed(flat, idx, gates, keep).view(batch, -1, self.hidden)
         out = reduce_scatter(routed, 1, env.etp_link)
         if self.shared is not None:

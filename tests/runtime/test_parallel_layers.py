@@ -259,7 +259,8 @@ def test_comm_log_counts_the_documented_collectives(world2):
                                                           + decoder_layers + heads)
         assert not any(key.startswith("tp/all_reduce") for key in res["comm_calls"])
         assert res["tp_grad_bytes"] == res["replicated_numel"] * f64 > 0
-        assert res["comm_bytes"]["ep/all_gather/fwd"] == moe_layers * b * (s // 2) * h * f64  # expert-TP gather
+        # expert-TP: the tokens and their routing (k gates and k expert ids per token) gathered over etp
+        assert res["comm_bytes"]["ep/all_gather/fwd"] == moe_layers * b * (s // 2) * (h + 2 * k) * f64
 
 
 def test_dp_ranks_see_different_losses(world2):
