@@ -9,7 +9,9 @@ Usage::
     moeplan calibrate --target cpu --fit-model tiny-pangu -o cal.yaml      # once per machine
     python benchmarks/cpu_prediction.py --target cal.yaml [--steps 40] [--only pp2,dp2] [--workdir DIR]
 
-Timings are only meaningful on a quiet machine: each emulated device is one single-threaded process.
+Timings are only meaningful on a quiet machine: each emulated device is one single-threaded process. With
+``--fit-model tiny-pangu`` the calibration's launch scale is fitted on ``1dev-mb1`` (a 1-device run of the same
+model and batch), so that row is the fit point, not a prediction.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "dp2": ("--devices", "2", "--tp", "1", "--pp", "1", "--ep", "1", "--micro-batch", "1"),
     "ep2": ("--devices", "2", "--tp", "1", "--pp", "1", "--ep", "2", "--micro-batch", "1"),
     "tp2": ("--devices", "2", "--tp", "2", "--pp", "1", "--ep", "1", "--micro-batch", "1"),
+    "tp2-etp2": ("--devices", "2", "--tp", "2", "--etp", "2", "--pp", "1", "--ep", "1", "--micro-batch", "1"),
     "cp2": ("--devices", "2", "--tp", "1", "--cp", "2", "--pp", "1", "--ep", "1", "--micro-batch", "1"),
 }
 
