@@ -25,7 +25,8 @@ repeats after a warm-up (the median is used for the gloo figures):
   ``LOADED_BYTES`` (a tiny-pangu PP handoff: seq 64 × hidden 64 × fp32): p2p (a send and a recv per iteration),
   ``all_to_all_single``, ``all_reduce``, and the runtime's ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
   The effective cost per message is the loop's period minus the period of the same bursts with no comm (both ranks
-  busy), the median of ``LOADED_REPEATS`` runs of ``LOADED_ITERS`` iterations. Why: with 2 ranks on 2 cores no core
+  busy, measured right before it so drifts of the machine cancel), the median of ``LOADED_REPEATS`` such pairs of
+  ``LOADED_ITERS`` iterations. Why: with 2 ranks on 2 cores no core
   is idle, so gloo's transport threads are scheduled against the ranks' compute (and a message waits for its peer
   to leave its burst); an idle ping-pong, each rank asleep in recv, misses that — 110–180 µs per message where
   training paid 0.5–1 ms per PP handoff and ≈0.85 ms per EP all-to-all. Each kind's cost less its transfer time
@@ -78,7 +79,7 @@ CHAIN = 400
 LOADED_BYTES = 64 * 64 * 4
 BURST_OPS = 300
 LOADED_ITERS = 40
-LOADED_REPEATS = 7
+LOADED_REPEATS = 15
 FIT_STEPS = 40
 LOADED_OPS: dict[str, tuple[float, int]] = {  # op -> (multiple of S/B, α steps) at 2 ranks (cost_models/comm.py)
     "p2p": (1.0, 1), "all_gather": (1.0, 1), "all_to_all": (0.5, 1), "all_reduce": (1.0, 2),
@@ -274,30 +275,33 @@ def _comm_op(op: str, rank: int, buf: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _loaded_period_s(op: str | None, rank: int) -> float:
-    """Median over ``LOADED_REPEATS`` runs of the seconds per iteration of a burst (+ one ``op``), both ranks."""
+    """Seconds per iteration of ``LOADED_ITERS`` iterations of a burst (+ one ``op``), both ranks in step."""
     import torch.distributed as dist
 
     x, w = torch.randn(64, 64), torch.randn(64, 128)
     buf, out = torch.zeros(LOADED_BYTES // 4), torch.zeros(LOADED_BYTES // 4)
-    periods = []
-    for _ in range(LOADED_REPEATS):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(LOADED_ITERS):
-            _burst(x, w)
-            if op is not None:
-                _comm_op(op, rank, buf, out)
-        periods.append((time.perf_counter() - t0) / LOADED_ITERS)
-    return statistics.median(periods)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(LOADED_ITERS):
+        _burst(x, w)
+        if op is not None:
+            _comm_op(op, rank, buf, out)
+    return (time.perf_counter() - t0) / LOADED_ITERS
 
 
 def measure_loaded_gloo(rank: int) -> dict[str, float]:
     """Effective seconds per message of each op of ``LOADED_OPS`` (``LOADED_BYTES`` per rank) while both ranks
-    compute (module docstring). Call on both ranks of an initialised 2-rank gloo group, one thread each."""
+    compute (module docstring): the median over ``LOADED_REPEATS`` rounds of (period with the op − period without
+    it, measured right before), so slow drifts of the machine cancel. Call on both ranks of an initialised 2-rank
+    gloo group, one thread each."""
     _loaded_period_s(None, rank)  # warm-up
-    base = _loaded_period_s(None, rank)
+    diffs: dict[str, list[float]] = {op: [] for op in LOADED_OPS}
+    for _ in range(LOADED_REPEATS):
+        for op in LOADED_OPS:
+            base = _loaded_period_s(None, rank)
+            diffs[op].append(_loaded_period_s(op, rank) - base)
     per_iter = {"p2p": 2}
-    return {op: max(0.0, (_loaded_period_s(op, rank) - base) / per_iter.get(op, 1)) for op in LOADED_OPS}
+    return {op: max(0.0, statistics.median(d) / per_iter.get(op, 1)) for op, d in diffs.items()}
 
 
 def measure_gloo() -> tuple[dict[int, float], dict[int, float], dict[str, float]]:
