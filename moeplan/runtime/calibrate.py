@@ -21,21 +21,23 @@ repeats after a warm-up (the median is used for the gloo figures):
   Only ``B`` is used from these idle figures (the rest is kept in the file's header): α and L come from the
   loaded measurement below.
 - gloo latency UNDER LOAD (what training sees): each of the 2 ranks alternates a compute burst (``BURST_OPS`` eager
-  kernels of tiny-pangu's size, a 64×64 by 64×128 matmul and an add per pair, ≈2.5 ms here) with one comm op of
+  kernels of tiny-pangu's size, a 64×64 by 64×128 matmul and an add per pair, ≈0.9 ms here: about the compute
+  between two in-layer collectives of a tiny-pangu training step, the bulk of its collectives) with one comm op of
   ``LOADED_BYTES`` (a tiny-pangu PP handoff: seq 64 × hidden 64 × fp32): p2p (a send and a recv per iteration),
   ``all_to_all_single``, ``all_reduce``, and the runtime's ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
   The effective cost per message is the loop's period minus the period of the same bursts with no comm (both ranks
   busy, measured right before it so drifts of the machine cancel), the median of ``LOADED_REPEATS`` such pairs of
-  ``LOADED_ITERS`` iterations. Why: with 2 ranks on 2 cores no core
-  is idle, so gloo's transport threads are scheduled against the ranks' compute (and a message waits for its peer
-  to leave its burst); an idle ping-pong, each rank asleep in recv, misses that — 110–180 µs per message where
-  training paid 0.5–1 ms per PP handoff and ≈0.85 ms per EP all-to-all. Each kind's cost less its transfer time
-  (``volume·S/B``) is written as that kind's ``launch.collective_latency_s``, which the comm model uses instead of
-  its α step counts: gloo's kinds do not follow them (its reduce-scatter costs about what an all-reduce does,
-  ≈1.5–2 ms, against ≈1.2–1.4 ms for an all-gather and ≈1.35 ms for an all-to-all of 16 KiB here). α and L are
-  α and L are still fitted (least squares of ``t_op − volume·S/B = steps·α + L``, each at least 0, :func:`fit_alpha_launch`)
-  for the link fields. It is a property of the machine, measured once and used for every layout (no per-layout
-  factor).
+  ``LOADED_ITERS`` iterations. Why: with 2 ranks on 2 cores no core is idle, so gloo's transport threads are
+  scheduled against the ranks' compute (and a message waits for its peer to leave its burst); an idle ping-pong,
+  each rank asleep in recv, misses that — 110–180 µs per message where training paid ≈0.85 ms per EP all-to-all.
+  The cost grows with the burst (the ranks drift apart more over longer compute; measured here for an all-to-all:
+  ≈0.75 ms after 0.34 ms bursts, ≈0.85 ms after 0.9 ms, ≈1.0–1.3 ms after 2.5 ms, ≈1.8 ms after 7.6 ms), hence a
+  burst of the in-layer collectives' spacing. Each kind's cost less its transfer time (``volume·S/B``) is written as
+  that kind's ``launch.collective_latency_s``, which the comm model uses instead of its α step counts: gloo's kinds
+  do not follow them (its reduce-scatter costs about what an all-reduce does: ≈1.6 ms, against ≈1.05 ms for an
+  all-gather and ≈0.85 ms for an all-to-all of 16 KiB here). α and L are still fitted (least squares of
+  ``t_op − volume·S/B = steps·α + L``, each at least 0, :func:`fit_alpha_launch`) for the link fields. It is a
+  property of the machine, measured once and used for every layout (no per-layout factor).
 
 Optionally (``fit_model``) the FORWARD launch costs (``forward_kernel_s``, and the per-op ``matmul_s`` /
 ``other_s`` of the ``"op"`` granularity) are then scaled by one factor ``k`` fitted to a measured 1-device
@@ -77,7 +79,7 @@ ADD_ELEMENTS = 1 << 22
 MESSAGE_BYTES = (4, 1 << 20, 1 << 22, 1 << 24)
 CHAIN = 400
 LOADED_BYTES = 64 * 64 * 4
-BURST_OPS = 300
+BURST_OPS = 100
 LOADED_ITERS = 40
 LOADED_REPEATS = 15
 FIT_STEPS = 40
