@@ -60,18 +60,17 @@ class ParallelRouter(Router, TPReplicated):
     """moeplan.models.Router with a micro-batch-wide auxiliary loss; the gate is replicated over TP
     (:class:`TPReplicated`: its gradient is summed over TP once per step).
 
-    ``forward(x [T, h], own [T_own] rows of x that are this rank's tokens, num_tokens: tokens in the micro-batch)
-    -> (idx [T, k], gates [T, k])``.
+    ``forward(x [T, h] this rank's tokens, num_tokens: tokens in the micro-batch) -> (idx [T, k], gates [T, k])``.
     """
 
     def __init__(self, spec: ModelSpec, env: ShardEnv, *, aux_loss_coeff: float) -> None:
         super().__init__(spec, aux_loss_coeff=aux_loss_coeff)
         self.env = env
 
-    def forward(self, x: torch.Tensor, own: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         scores, idx, gates = self.route(x)
         if self.aux_loss_coeff > 0 and gates.requires_grad:
-            aux = self._aux_share(scores.index_select(0, own), idx.index_select(0, own), num_tokens)
+            aux = self._aux_share(scores, idx, num_tokens)
             gates = AttachAuxLoss.apply(gates, aux, self.aux_loss_coeff)
         return idx, gates.to(x.dtype)
 
@@ -146,7 +145,7 @@ class ParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         env, batch = self.env, x.shape[0]
         own = x.reshape(-1, self.hidden)
-        own_idx, own_gates = self.router(own, torch.arange(own.shape[0], device=x.device), batch * env.layout.seq_len)
+        own_idx, own_gates = self.router(own, batch * env.layout.seq_len)
         k = own_idx.shape[1]
         # expert-TP: the etp group's tokens and their routing (gates and expert ids in one message; ids are exact in
         # floating point), gathered along the sequence (dim 1)
