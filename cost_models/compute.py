@@ -22,6 +22,21 @@ included; those costs are measured by ``moeplan calibrate``.
 Bytes: the IR counts bf16 (2 bytes per element, moeplan/ir.py); a target training in another dtype
 (``Target.training_dtype``, e.g. the fp32 cpu emulator) moves ``target.dtype_bytes / 2`` times as many bytes.
 
+MoE and precision (docs/step-model.md §5):
+
+- The router's FLOPs are its gating GEMM (``h × E``), priced on the matrix unit like any GEMM.
+- On a target with measured GEMM shapes (``efficiency.gemm_m``, a sweep over M; ``gemm_k0``), a GEMM of
+  per-device shape (M, N, K) runs at ``efficiency.compute · curve(M) · K/(K + K0)`` (:func:`gemm_shape_efficiency`):
+  for the grouped expert GEMM M is the tokens per local expert; its w2 reduces over the expert width. Targets
+  without them keep the padded-tile model below.
+- Fused attention runs at ``efficiency.attention_fwd`` / ``attention_bwd`` of the bf16 peak where the target
+  gives them (FlashAttention measurements), else at ``efficiency.compute``.
+- ``training_dtype == "fp8"``: the decoder layers' GEMMs (matmul and grouped matmul; not the output layer, the
+  embedding, the router or attention, which stay bf16 — DeepSeek-V3 arXiv 2412.19437 §3.3.1) run at
+  ``target.fp8_flops`` with ``efficiency.fp8_gemm_m`` for the grouped GEMM, and each such GEMM pass first
+  quantizes its activation operand online (1×128 tiles, §3.3.2): a memory-bound pass that reads it in bf16 and
+  writes FP8, 1.5 bytes per bf16 byte, plus one launch.
+
 Sources: the roofline is Williams, Waterman & Patterson, "Roofline: an insightful visual performance model for
 multicore architectures", CACM 52(4), 2009; the fixed launch costs and efficiencies are msmodeling's defaults.
 """
@@ -30,10 +45,16 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from moeplan.ir import OpAnnotation, OpKind
+from moeplan.ir import LayerKind, OpAnnotation, OpKind
 from moeplan.targets import Target
 
 Unit = Literal["cube", "vector"]
+FUSED_ATTENTION_BWD_RECOMPUTE = 1.25
+"""A fused attention backward recomputes the score matrix: 2.5× the forward's FLOPs where autograd's math path does
+2× (Dao, FlashAttention-2, arXiv 2307.08691 §4: the benchmarks count the backward as 2.5× the forward). The
+targets' ``attention_bwd`` efficiencies are measured on that count, so the dX time prices 1.25× the traced dX."""
+FP8_CAST_BYTES_PER_BF16_BYTE = 1.5  # read 2 bytes (bf16), write 1 (e4m3) per element; scales are 1/128 of that
+_BF16_LAYERS = frozenset({LayerKind.HEAD, LayerKind.MTP_HEAD, LayerKind.EMBEDDING})
 
 MIN_TILE_ALIGNMENTS = 8
 """A GEMM dim shorter than ``MIN_TILE_ALIGNMENTS · alignment`` elements still occupies one full macro tile.
@@ -78,8 +99,39 @@ def matmul_efficiency(mnk: tuple[int, int, int] | None, *, alignment: int) -> fl
     return useful / padded
 
 
+def curve_factor(curve: tuple[tuple[int, float], ...], m: float) -> float:
+    """Piecewise-linear interpolation of ``curve`` (``[[M, fraction], ...]``, ascending M) in log M, clamped at
+    both ends."""
+    if m <= curve[0][0]:
+        return curve[0][1]
+    for (m0, f0), (m1, f1) in zip(curve, curve[1:]):
+        if m <= m1:
+            x = (math.log(m) - math.log(m0)) / (math.log(m1) - math.log(m0))
+            return f0 + x * (f1 - f0)
+    return curve[-1][1]
+
+
+def k_pipeline(k: int, k0: float | None) -> float:
+    """``K / (K + K0)``: a GEMM's main loop over K is preceded by filling the pipeline and followed by the epilogue,
+    worth ``K0`` elements of K (1 without a ``K0``)."""
+    return k / (k + k0) if k0 else 1.0
+
+
+def gemm_shape_efficiency(mnk: tuple[int, int, int], *, grouped: bool, alignment: int,
+                          curve: tuple[tuple[int, float], ...], k0: float | None) -> float:
+    """Fraction of the plateau throughput (M ≥ 4096, long K) of a GEMM of per-device shape (M, N, K) on a target
+    with a measured M curve: ``curve(M) · K/(K + K0)`` times the alignment padding of N and K. A grouped op is the
+    SwiGLU experts: w1 and w3 reduce over K (the hidden size), w2 over N (the expert width), so its K factor is the
+    FLOP-weighted harmonic mean of those three GEMMs'."""
+    m, n, k = mnk
+    pad = math.prod(d / (math.ceil(d / alignment) * alignment) for d in (n, k))
+    kfac = 3 / (2 / k_pipeline(k, k0) + 1 / k_pipeline(n, k0)) if grouped else k_pipeline(k, k0)
+    return curve_factor(curve, m) * kfac * pad
+
+
 def op_time_s(*, flops: float, bytes_moved: float, unit: Unit, mnk: tuple[int, int, int] | None,
-              target: Target, launch_s: float | None = None) -> float:
+              target: Target, launch_s: float | None = None, peak_flops: float | None = None,
+              efficiency: float | None = None, shape_factor: float | None = None) -> float:
     """Seconds one device of ``target`` spends on an op of ``flops`` FLOPs that moves ``bytes_moved`` HBM bytes.
 
     ``max(flops / (peak(unit) · efficiency.compute · matmul_efficiency(mnk)), bytes / (hbm_bw · efficiency.memory))
@@ -96,13 +148,14 @@ def op_time_s(*, flops: float, bytes_moved: float, unit: Unit, mnk: tuple[int, i
     if flops == 0 and bytes_moved == 0:
         return launch_s or 0.0
     if unit == "cube":
-        peak = target.cube_flops * matmul_efficiency(mnk, alignment=target.matmul_alignment)
+        shape = matmul_efficiency(mnk, alignment=target.matmul_alignment) if shape_factor is None else shape_factor
+        peak = (peak_flops or target.cube_flops) * shape
         default_launch_s = target.launch.matmul_s
     else:
         peak = target.vector_flops
         default_launch_s = target.launch.other_s
     launch_s = default_launch_s if launch_s is None else launch_s
-    compute_s = flops / (peak * target.efficiency.compute)
+    compute_s = flops / (peak * (efficiency or target.efficiency.compute))
     memory_s = bytes_moved / (target.hbm_bandwidth_bytes_per_s * target.efficiency.memory)
     return max(compute_s, memory_s) + launch_s
 
@@ -116,16 +169,15 @@ def scaled_mnk(mnk: tuple[int, int, int] | None, *, scale: float) -> tuple[int, 
 
 
 def annotation_time_s(op: OpAnnotation, *, scale: float, target: Target, weight_scale: float = 1.0,
-                      m_scale: float | None = None) -> tuple[float, float, float]:
+                      mnk: tuple[int, int, int] | None = None) -> tuple[float, float, float]:
     """(forward, input-gradient dX, weight-gradient dW) seconds of one IR op on one device.
 
     The IR costs one unsharded sequence (moeplan/ir.py). ``scale`` multiplies the op's FLOPs and its activation
     bytes (the ``shard`` pass passes e.g. ``micro_batch / (tp · cp)``); ``weight_scale`` multiplies its weight bytes
     (``2 · param_count``, bf16, part of ``bytes_read``), which follow how the weights are sharded, not the tokens
-    (1/tp for TP ops, 1/(ep·tp) for routed experts, 1 when replicated). ``m_scale`` (default ``scale``) multiplies
-    the GEMM's M (token) dim for the alignment factor: for a grouped expert GEMM it is the growth of tokens per
-    local expert, not of tokens per device. Under TP the real GEMM splits N (column-parallel) or K (row-parallel);
-    applying the split to M instead changes only the padding/small-tile factor, a second-order effect accepted here.
+    (1/tp for TP ops, 1/(ep·tp) for routed experts, 1 when replicated). ``mnk`` is the dominant GEMM's shape on
+    the device (passes/shard.py ``gemm_shape``: tokens per local expert for the grouped GEMM, TP splitting N or K);
+    None: the traced shape with M scaled by ``scale``.
 
     Backward assumptions (stated, not measured):
     - dX costs ``bwd_input_flops`` and moves the forward's bytes (a GEMM's dX reads dY and W and writes dX: the same
@@ -137,27 +189,56 @@ def annotation_time_s(op: OpAnnotation, *, scale: float, target: Target, weight_
     - Bytes are scaled to the target's training dtype (``target.dtype_bytes / 2``); on a ``"kernel"``-granularity
       target each pass pays its kernel count times the forward / backward per-kernel launch (module docstring).
 
-    Raises ValueError: ``scale``, ``weight_scale`` or ``m_scale`` <= 0.
+    Raises ValueError: ``scale`` or ``weight_scale`` <= 0.
     """
-    for name, v in (("scale", scale), ("weight_scale", weight_scale), ("m_scale", m_scale)):
-        if v is not None and v <= 0:
+    for name, v in (("scale", scale), ("weight_scale", weight_scale)):
+        if v <= 0:
             raise ValueError(f"{name}={v!r}: must be > 0")
     if op.op_kind == OpKind.COLLECTIVE:
         return (0.0, 0.0, 0.0)
-    unit: Unit = "cube" if op.unit == "cube" else "vector"
-    mnk = scaled_mnk(op.matmul_mnk, scale=scale if m_scale is None else m_scale)
+    unit: Unit = "cube" if op.unit == "cube" or op.op_kind == OpKind.ROUTER else "vector"
+    mnk = mnk if mnk is not None else scaled_mnk(op.matmul_mnk, scale=scale)
     weight_bytes = min(2 * op.param_count, op.bytes_read)
+    act_in = max(0, op.bytes_read - weight_bytes) * scale
     bytes_moved = ((op.bytes_read + op.bytes_written - weight_bytes) * scale + weight_bytes * weight_scale) \
         * target.dtype_bytes / 2
     launches = _launches(op, target)
-    fwd = op_time_s(flops=op.fwd_flops * scale, bytes_moved=bytes_moved, unit=unit, mnk=mnk, target=target,
-                    launch_s=launches[0])
+    fp8 = _runs_fp8(op, target)
+    peak = target.fp8_flops if fp8 else None
+    curve = target.efficiency.fp8_gemm_m if fp8 else target.efficiency.gemm_m
+    eff = target.efficiency
+    attn = op.op_kind == OpKind.ATTENTION
+    shape = None
+    if curve and mnk is not None:  # a target with measured GEMM shapes; attention's efficiencies are its own
+        shape = 1.0 if attn else gemm_shape_efficiency(mnk, grouped=op.op_kind == OpKind.GROUPED_MATMUL,
+                                                       alignment=target.matmul_alignment, curve=curve,
+                                                       k0=eff.gemm_k0)
+    cast = _fp8_cast_s(act_in, target) if fp8 else 0.0
+
+    def one(flops: float, launch: float | None, efficiency: float | None) -> float:
+        return op_time_s(flops=flops * scale, bytes_moved=bytes_moved, unit=unit, mnk=mnk, target=target,
+                         launch_s=launch, peak_flops=peak, efficiency=efficiency, shape_factor=shape) + cast
+
+    fwd = one(op.fwd_flops, launches[0], eff.attention_fwd if attn else None)
     has_dx = op.op_kind != OpKind.EMBEDDING
-    dx = op_time_s(flops=op.bwd_input_flops * scale, bytes_moved=bytes_moved, unit=unit, mnk=mnk,
-                   target=target, launch_s=launches[1]) if has_dx else 0.0
-    dw = op_time_s(flops=op.bwd_weight_flops * scale, bytes_moved=bytes_moved, unit=unit, mnk=mnk,
-                   target=target, launch_s=launches[2]) if op.param_count > 0 else 0.0
+    dx_flops = op.bwd_input_flops * (FUSED_ATTENTION_BWD_RECOMPUTE if attn and eff.attention_bwd else 1.0)
+    dx = one(dx_flops, launches[1], eff.attention_bwd if attn else None) if has_dx else 0.0
+    dw = one(op.bwd_weight_flops, launches[2], None) if op.param_count > 0 else 0.0
     return (fwd, dx, dw)
+
+
+def _runs_fp8(op: OpAnnotation, target: Target) -> bool:
+    """Whether ``op`` is a GEMM that runs in FP8 under the target's training dtype (module docstring)."""
+    return (target.training_dtype == "fp8" and target.fp8_flops is not None
+            and op.op_kind in (OpKind.MATMUL, OpKind.GROUPED_MATMUL) and op.layer_kind not in _BF16_LAYERS)
+
+
+def _fp8_cast_s(act_bytes: float, target: Target) -> float:
+    """Seconds to quantize ``act_bytes`` of bf16 activations to FP8 before a GEMM pass (memory-bound)."""
+    if act_bytes <= 0:
+        return 0.0
+    return (act_bytes * FP8_CAST_BYTES_PER_BF16_BYTE / (target.hbm_bandwidth_bytes_per_s * target.efficiency.memory)
+            + target.launch.other_s)
 
 
 def _launches(op: OpAnnotation, target: Target) -> tuple[float | None, float | None, float | None]:

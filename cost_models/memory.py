@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from moeplan.cost_models.timeline import parse_action
+from moeplan.cost_models.timeline import compute_parts
 
 PARAM_BYTES = 2  # bf16 weights
 GRAD_BYTES = 4  # fp32 gradient accumulation (Megatron --accumulate-allreduce-grads-in-fp32)
@@ -56,21 +56,21 @@ def model_state_bytes(*, dense_params: float, expert_params: float, dense_dp: in
 def peak_live_bytes(actions: Sequence[str], stage_bytes: Mapping[int, float]) -> tuple[float, int]:
     """Walk one rank's action list: +activation bytes of the stage at each F, − at its B (or W for split backward).
 
-    ``actions`` in torch.distributed.pipelining notation (``"3F7"``, ``"3B7"``, ``"3I7"``, ``"3W7"``; comm actions
-    are ignored). ``stage_bytes[s]`` is what one micro-batch keeps on stage ``s`` from F until its backward ends.
+    ``actions`` in torch.distributed.pipelining notation (``"3F7"``, ``"3B7"``, ``"3I7"``, ``"3W7"``, an
+    ``OVERLAP_F_B`` pair counting its F before its B; comm actions are ignored). ``stage_bytes[s]`` is what one micro-batch keeps on stage ``s`` from F until its backward ends.
     Returns (peak bytes, peak number of in-flight (stage, micro-batch) pairs). The peak depends only on the order of
     the compute actions, not on their durations. Raises PlanError for an action that does not parse.
     """
     live = peak = 0.0
     count = peak_count = 0
     for text in actions:
-        a = parse_action(text)
-        if a.kind == "F":
-            live += stage_bytes[a.stage]
-            count += 1
-        elif a.kind in ("B", "W"):
-            live -= stage_bytes[a.stage]
-            count -= 1
-        peak = max(peak, live)
-        peak_count = max(peak_count, count)
+        for a in compute_parts(text):
+            if a.kind == "F":
+                live += stage_bytes[a.stage]
+                count += 1
+            elif a.kind in ("B", "W"):
+                live -= stage_bytes[a.stage]
+                count -= 1
+            peak = max(peak, live)
+            peak_count = max(peak_count, count)
     return peak, peak_count

@@ -10,23 +10,116 @@ from typing import Literal, Mapping
 
 from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout
+from moeplan.names import DISPATCHERS, MECHANISMS, SCHEDULES, Dispatcher, Mechanism, ScheduleKind  # noqa: F401
 from moeplan.targets import Target
 
 CommClass = Literal["tp", "ep", "cp", "dp", "pp"]
 Recompute = Literal["none", "selective", "full"]
+Tier = Literal["intra", "inter"]
+COMM_CLASSES: tuple[CommClass, ...] = ("tp", "ep", "cp", "pp", "dp")
+
+
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How a layout runs, beside its degrees: the pipeline schedule, the EP token dispatcher, the overlap
+    mechanisms that are on, and the recompute request (``auto``: the cheapest per-rank mode that fits).
+
+    Schedules (docs/step-model.md §4): ``1f1b`` and ``interleaved`` (Megatron-LM), ``zero-bubble`` (torch's
+    Interleaved Zero Bubble, I/W split), ``zbv`` and ``dualpipev`` (V-shaped stage placement, two chunks per rank).
+    Dispatchers (§3): ``flat`` all-to-all, MindSpeed's ``hierarchical`` all-to-all-v, ``dedup`` (DeepEP-style, one
+    copy per destination node). Mechanisms (§2): ``shared-expert`` (shared experts beside the dispatch and combine),
+    ``fb`` (the forward of one micro-batch overlapped with the backward of another), ``dp`` (gradient
+    reduce-scatter and parameter all-gather beside compute), ``pp`` (p2p beside compute).
+    """
+
+    schedule: ScheduleKind = "1f1b"
+    dispatcher: Dispatcher = "flat"
+    overlap: frozenset[Mechanism] = frozenset()
+    recompute: Literal["auto", "none", "selective", "full"] = "auto"
+
+    def short(self) -> str:
+        on = ",".join(m for m in MECHANISMS if m in self.overlap) or "none"
+        return f"{self.schedule} {self.dispatcher} overlap={on}"
 
 
 @dataclass(frozen=True)
 class CommOp:
-    """One collective as costed: ``bytes`` is the per-rank payload (the tensor one rank holds before the op)."""
+    """One collective as costed: ``bytes`` is the per-rank payload (the tensor one rank holds before the op).
+
+    ``tier`` is the slowest link tier it crosses. ``wire_intra_bytes`` / ``wire_inter_bytes``: what one rank sends
+    over each tier (ring and pairwise algorithms, cost_models/comm.py); ``busy_intra_s`` / ``busy_inter_s``: how long
+    the op occupies each tier's stream of the rank (both at once for an all-to-all that spans nodes, which ends at
+    ``time_s``). Defaults (a single-tier op): the whole ``time_s`` on ``tier``.
+    """
 
     comm_class: CommClass
     kind: Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
     phase: Literal["fwd", "bwd", "step"]
     bytes: int
     group_size: int
-    tier: Literal["intra", "inter"]
+    tier: Tier
     time_s: float
+    wire_intra_bytes: float = 0.0
+    wire_inter_bytes: float = 0.0
+    busy_intra_s: float | None = None
+    busy_inter_s: float | None = None
+
+    def busy_s(self, tier: Tier) -> float:
+        """Seconds this op holds the stream of ``tier``."""
+        busy = self.busy_intra_s if tier == "intra" else self.busy_inter_s
+        if busy is not None:
+            return busy
+        return self.time_s if tier == self.tier else 0.0
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One step of a layer phase (forward, input-gradient or weight-gradient), in the order it is issued.
+
+    ``kind == "compute"``: ``seconds`` of work on the device's compute stream, issued by the host as ``kernels``
+    kernel launches. ``kind == "comm"``: the collective ``comm``, on the stream of each link tier it crosses
+    (``seconds == comm.time_s``). ``after``: indices, within the phase, of the segments whose results it needs
+    (data dependencies; the compute stream runs compute segments in order anyway). ``async_by``: for a collective,
+    the overlap mechanism under which the compute stream does not wait for it right away (``"shared-expert"``,
+    ``"native"`` for one the runtime always issues asynchronously); otherwise, and always when the mechanism is
+    off, the compute stream waits for it (a blocking NCCL/HCCL call on the compute stream). ``host_sync``: the host
+    waits for this segment to finish before it issues anything else (the dropless dispatcher copies the per-expert
+    token counts to the host).
+    """
+
+    name: str
+    kind: Literal["compute", "comm"]
+    seconds: float
+    after: tuple[int, ...] = ()
+    comm: CommOp | None = None
+    kernels: int = 0
+    async_by: str | None = None
+    host_sync: bool = False
+    deferrable: bool = False  # a weight-gradient segment: may run any time after what it needs (zero-bubble's W)
+
+
+@dataclass(frozen=True)
+class LayerProgram:
+    """One layer for one micro-batch on one device as three ordered segment lists (DESIGN §5 "timeline"): the
+    forward, the input-gradient pass (dX, "I") and the weight-gradient pass (dW, "W"). Indices in ``after`` refer to
+    the same list, except the weight pass's, which point into the input-gradient list (a weight gradient needs
+    what its dX received)."""
+
+    fwd: tuple[Segment, ...] = ()
+    bwd_input: tuple[Segment, ...] = ()
+    bwd_weight: tuple[Segment, ...] = ()
+
+    @property
+    def backward(self) -> tuple[Segment, ...]:
+        """The full backward B: the dX segments, then the dW segments waiting for theirs."""
+        return self.bwd_input + self.bwd_weight
+
+    @property
+    def weight_alone(self) -> tuple[Segment, ...]:
+        """The dW segments as a separate W action (its I has run: no dependencies left)."""
+        return tuple(replace(s, after=()) for s in self.bwd_weight)
 
 
 @dataclass(frozen=True)
@@ -34,7 +127,8 @@ class LayerCost:
     """One layer of a kind for ONE micro-batch on ONE device under the layout.
 
     ``fwd_s`` / ``bwd_input_s`` (dX) / ``bwd_weight_s`` (dW): compute-stream time without communication.
-    ``comm``: the in-layer collectives (TP/SP, EP dispatch/combine, CP). ``params``/``expert_params``: parameter
+    ``comm``: the in-layer collectives (TP/SP, EP dispatch/combine, CP); ``program``: the same work as ordered
+    segments, which the timeline simulates (compute beside collectives). ``params``/``expert_params``: parameter
     counts held by one device. ``saved_*_bytes``: activations kept until backward under each recompute mode;
     ``recompute_*_s``: forward work redone in backward under that mode. ``executed_flops``: the
     FLOPs executed (forward + backward, traced, causal) on this device for this micro-batch, for HFU; recompute is
@@ -46,6 +140,7 @@ class LayerCost:
     bwd_input_s: float
     bwd_weight_s: float
     comm: tuple[CommOp, ...]
+    program: LayerProgram
     params: int
     expert_params: int
     saved_bytes: int
@@ -77,8 +172,10 @@ class Sharding:
 class StagePlan:
     """Decision of ``partition-stages``: the layers of each PP rank and VPP chunk.
 
-    ``chunks[r][c]`` holds the layer names of PP rank ``r``, chunk ``c`` (pipeline stage ``c·pp + r``). Names:
-    ``embedding``, ``layers.{i}``, ``mtp.{j}``, ``mtp_head.{j}``, ``head``, ``empty.{k}``.
+    ``chunks[r][c]`` holds the layer names of PP rank ``r``, chunk ``c``: pipeline stage ``c·pp + r`` with the
+    ``loop`` placement (Megatron-LM's interleaved), stage ``r`` (chunk 0) and ``2·pp − 1 − r`` (chunk 1) with the
+    ``v`` placement (ZB-V, DualPipeV). Names: ``embedding``, ``layers.{i}``, ``mtp.{j}``, ``mtp_head.{j}``,
+    ``head``, ``empty.{k}``.
     """
 
     chunks: tuple[tuple[tuple[str, ...], ...], ...]
@@ -86,6 +183,7 @@ class StagePlan:
     imbalance: float  # max/mean − 1 over chunks
     empty_layers: tuple[str, ...]
     reason: str  # one line: where the MTP pieces and empty layers went and why
+    placement: Literal["loop", "v"] = "loop"
 
     @property
     def pp(self) -> int:
@@ -96,7 +194,20 @@ class StagePlan:
         return len(self.chunks[0])
 
     def stage_layers(self, stage: int) -> tuple[str, ...]:
-        return self.chunks[stage % self.pp][stage // self.pp]
+        rank, chunk = self.rank_chunk(stage)
+        return self.chunks[rank][chunk]
+
+    def rank_chunk(self, stage: int) -> tuple[int, int]:
+        """(PP rank, chunk) of pipeline stage ``stage`` under the placement."""
+        pp = self.pp
+        if self.placement == "v":
+            return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+        return stage % pp, stage // pp
+
+    def stage_of(self, rank: int, chunk: int) -> int:
+        if self.placement == "v":
+            return rank if chunk == 0 else 2 * self.pp - 1 - rank
+        return chunk * self.pp + rank
 
 
 @dataclass(frozen=True)
@@ -143,7 +254,7 @@ class MemoryPlan:
 class Schedule:
     """Decision of ``schedule``: per PP rank, actions in torch.distributed.pipelining's notation (``0F1``, …)."""
 
-    kind: Literal["1f1b", "interleaved-1f1b"]
+    kind: ScheduleKind
     actions: tuple[tuple[str, ...], ...]
 
 
@@ -163,6 +274,9 @@ class Prediction:
     peak_memory_bytes: tuple[float, ...]  # per PP rank
     exposed_comm_s: Mapping[str, float]  # per comm class: time the compute stream waits on it
     model_flops_per_step: float
+    comm: Mapping[str, Mapping[str, float | None]] = field(default_factory=dict)  # per class: passes/simulate.py
+    host_wait_s: float = 0.0  # mean over PP ranks: time the compute stream waited for the host to launch
+    optimizer_s: float = 0.0  # the slowest rank's Adam update and clipping all-reduce, after the DP collectives
 
 
 @dataclass(frozen=True)
@@ -172,6 +286,7 @@ class PlanState:
     graph: ModelGraph
     target: Target
     layout: Layout
+    strategy: Strategy = Strategy()
     sharding: Sharding | None = None
     stages: StagePlan | None = None
     experts: ExpertPlacement | None = None

@@ -1,21 +1,9 @@
 """Pass ``shard``: TP (+SP), EP (expert-TP or TP-extend-EP), CP and DP, and the collectives each implies.
 
-Per layer kind it scales the traced per-sequence op costs to one micro-batch on one device and prices them on the
-target (compute model), then adds the in-layer collectives (comm model):
-
-- **TP with SP** (Korthikanti et al. arXiv 2205.05198 §4.2.2): per attention or MLP block an all-gather of the
-  sequence-split activation before and a reduce-scatter after in forward, the mirror pair in backward, and for the
-  column-parallel MLP and output layers one more all-gather in backward of the input they kept as the slice
-  (Megatron-LM's sequence-parallel linear); MLA gathers its latents instead of the hidden state (Megatron-LM MLA).
-  Without SP (tp > 1 only when sp is off, which moeplan never chooses) it would be one all-reduce each way.
-- **EP** (Megatron-LM ``MoEAlltoAllTokenDispatcher``; MindSpeed ``--moe-tp-extend-ep``, FACTS §3): dispatch and
-  combine all-to-alls over the ``ep·tp/etp`` expert shards, each moving the device's routed copies
-  (tokens · top_k · hidden · 2 bytes), in forward and again in backward, after a small all-to-all of per-expert
-  token counts in forward; with expert-TP (etp > 1) the routed tokens
-  are also all-gathered / reduce-scattered over the etp group.
-- **CP** (Megatron-LM context parallel, all-gather variant): K and V of the local heads are all-gathered over cp in
-  forward and their gradients reduce-scattered in backward.
-- **PP**: one micro-batch's hidden states, split over SP and CP, cross each stage boundary.
+Per layer kind it scales the traced per-sequence op costs to one micro-batch on one device, prices them on the
+target (compute model) and orders them with the collectives the layout implies into the layer's program
+(cost_models/layer_program.py: TP with SP, the EP dispatcher the strategy names, expert-TP, CP), which the
+timeline simulates. PP: one micro-batch's hidden states, split over SP and CP, cross each stage boundary.
 
 Work scaling per ShardHint (moeplan/ir.py): every op scales by micro_batch / cp; TP and EXPERT ops also by 1/tp
 (balanced routing spreads expert work evenly over the tp·cp ranks of a DP replica); SP ops by 1/tp.
@@ -30,20 +18,19 @@ attention keeps its probabilities), as the runtime's autograd keeps them.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from moeplan.cost_models.comm import all_to_all_time_s, collective_time_s, group_tier
 from moeplan.cost_models.compute import annotation_time_s
-from moeplan.ir import LayerGraph, LayerKind, OpAnnotation, OpKind, ShardHint
+from moeplan.cost_models.layer_program import forward_steps, layer_collectives, p2p_op, program
+from moeplan.ir import LayerGraph, OpAnnotation, OpKind, ShardHint
 from moeplan.layout import Layout
 from moeplan.spec import ModelSpec
-from moeplan.state import CommOp, LayerCost, PlanState, Sharding
+from moeplan.state import Dispatcher, LayerCost, PlanState, Sharding
 from moeplan.targets import Target
 
 ACT_BYTES = 2  # bf16 activations
-COUNT_BYTES = 8  # one int64 token count per expert, exchanged before each dispatch
-LOSS_BYTES = 4  # one fp32 loss value
 #: ops recomputed under "selective" recompute: cheap to redo, expensive to keep (MindSpeed --recompute-norm,
 #: --recompute-activation-function; Megatron-LM selective core-attention recompute, arXiv 2205.05198 §5)
 SELECTIVE_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.NORM, OpKind.ATTENTION})
@@ -68,12 +55,33 @@ def weight_scale(op: OpAnnotation, layout: Layout) -> float:
     return 1.0
 
 
-def m_scale(op: OpAnnotation, layout: Layout) -> float:
-    """Growth of the GEMM's token dim: for routed experts, tokens per local expert on one device grow by
-    micro_batch · expert_shards / (cp · tp) over the trace's balanced s·top_k/E; otherwise as ``op_scale``."""
+ROW_PARALLEL = frozenset({"o_proj", "w2"})
+"""Linear layers whose input dim splits over TP (Megatron-LM's RowParallelLinear); other TP linears split their
+output dim (ColumnParallelLinear)."""
+
+
+def gemm_shape(op: OpAnnotation, layout: Layout) -> tuple[int, int, int] | None:
+    """(M, N, K) of the op's dominant GEMM on one device under the layout, from the trace's per-sequence shape.
+
+    M is the token dim: a micro-batch's tokens over cp (TP GEMMs see the whole sequence slice after SP's
+    all-gather; SP and replicated ops their share), or for routed experts the tokens per local expert, which grow
+    by ``micro_batch · expert_shards / (cp · tp)`` over the trace's balanced ``s·top_k/E``. TP splits N of a
+    column-parallel linear and K of a row-parallel one (ROW_PARALLEL); expert-TP splits the experts' width N.
+    """
+    if op.matmul_mnk is None:
+        return None
+    m, n, k = op.matmul_mnk
+
+    def up(x: float) -> int:
+        return max(1, math.ceil(x - 1e-9))
+
     if op.shard == ShardHint.EXPERT:
-        return layout.micro_batch * layout.expert_shards / (layout.cp * layout.tp)
-    return op_scale(op, layout)
+        return (up(m * layout.micro_batch * layout.expert_shards / (layout.cp * layout.tp)), up(n / layout.etp), k)
+    tokens = layout.micro_batch / layout.cp
+    if op.shard == ShardHint.TP and op.op_kind in (OpKind.MATMUL, OpKind.GROUPED_MATMUL):
+        row = op.module_path.rsplit(".", 1)[-1] in ROW_PARALLEL
+        return (up(m * tokens), n if row else up(n / layout.tp), up(k / layout.tp) if row else k)
+    return (up(m * op_scale(op, layout)), n, k)
 
 
 @dataclass(frozen=True)
@@ -86,19 +94,22 @@ class ShardPass:
 
     def run(self, state: PlanState) -> PlanState:
         g, lay, tgt = state.graph, state.layout, state.target
-        costs = {kind: layer_cost(lg, spec=g.spec, layout=lay, target=tgt) for kind, lg in g.layers.items()}
+        costs = {kind: layer_cost(lg, spec=g.spec, layout=lay, target=tgt, dispatcher=state.strategy.dispatcher)
+                 for kind, lg in g.layers.items()}
         return state.with_(sharding=Sharding(layer_costs=costs, p2p=p2p_op(g.spec, lay, tgt)))
 
 
-def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Target) -> LayerCost:
+def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Target,
+               dispatcher: Dispatcher = "flat") -> LayerCost:
     """LayerCost of one layer of ``lg.kind`` for one micro-batch on one device (see the module docstring)."""
     fwd = dx = dw = sel_s = 0.0
     flops = fwd_flops = sel_flops = 0.0
     workspace = 0
+    times: dict[str, tuple[float, float, float]] = {}
     for op in lg.ops:
         s = op_scale(op, layout)
-        f, i, w = annotation_time_s(op, scale=s, target=target, weight_scale=weight_scale(op, layout),
-                                    m_scale=m_scale(op, layout))
+        f, i, w = times[op.name] = annotation_time_s(op, scale=s, target=target, weight_scale=weight_scale(op, layout),
+                                                     mnk=gemm_shape(op, layout))
         fwd, dx, dw = fwd + f, dx + i, dw + w
         flops += s * (op.fwd_flops + op.bwd_input_flops + op.bwd_weight_flops)
         fwd_flops += s * op.fwd_flops
@@ -106,14 +117,17 @@ def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Targe
         if op.op_kind in SELECTIVE_KINDS:
             sel_s += f
             sel_flops += s * op.fwd_flops
+    extra = (0.0, 0.0)
     if _eager(target) and lg.ops:
-        dx += lg.grad_fanout_adds * target.launch.backward_kernel_s
-        dw += lg.param_tensor_count * target.launch.backward_kernel_s
+        extra = (lg.grad_fanout_adds * target.launch.backward_kernel_s,
+                 lg.param_tensor_count * target.launch.backward_kernel_s)
+        dx, dw = dx + extra[0], dw + extra[1]
     saved, saved_sel = _saved_bytes(lg, layout, target)
     dense = lg.param_count - lg.expert_param_count + lg.shared_param_count
+    steps = forward_steps(lg, spec=spec, layout=layout, target=target, dispatcher=dispatcher)
     return LayerCost(
-        kind=lg.kind, fwd_s=fwd, bwd_input_s=dx, bwd_weight_s=dw,
-        comm=_layer_comm(lg.kind, spec=spec, layout=layout, target=target),
+        kind=lg.kind, fwd_s=fwd, bwd_input_s=dx, bwd_weight_s=dw, comm=layer_collectives(steps),
+        program=program(steps, lambda op: times[op.name], bwd_extra_s=extra),
         params=int(dense / layout.tp + lg.expert_param_count / (layout.ep * layout.tp)),
         expert_params=int(lg.expert_param_count / (layout.ep * layout.tp)),
         saved_bytes=saved, saved_selective_bytes=saved_sel,
@@ -195,127 +209,3 @@ def _saved_bytes(lg: LayerGraph, layout: Layout, target: Target) -> tuple[int, i
                    else _dtype_scaled(lg.input_bytes, 0, target) * input_scale for n in names)
 
     return int(internal + outputs(kept)), int(sel_internal + outputs(kept_sel))
-
-
-def _act_bytes(spec: ModelSpec, layout: Layout, target: Target) -> int:
-    """Bytes of one micro-batch's hidden states on one device after SP and CP splits: b·s·h·d/(cp·sp), d the
-    target's training dtype bytes."""
-    return layout.micro_batch * layout.seq_len * spec.hidden_size * target.dtype_bytes // (layout.cp * _sp(layout))
-
-
-def _tp_pair(nbytes: int, layout: Layout, target: Target, *, gathered: int | None = None,
-             regather: bool = True) -> tuple[CommOp, ...]:
-    """One SP block (TP group, stride 1): all-gather of its input (``gathered`` bytes per rank, default ``nbytes``)
-    and reduce-scatter of its ``nbytes``-per-rank output in forward; backward mirrors them (all-gather of the output
-    gradient, reduce-scatter of the input gradient) and, with ``regather``, all-gathers the input again for the
-    weight gradients (Megatron-LM's sequence-parallel column linear keeps only the slice; moeplan.runtime
-    ``gather_linears``)."""
-    if layout.tp == 1:
-        return ()
-    gathered = nbytes if gathered is None else gathered
-    tier = group_tier(stride=1, group_size=layout.tp, devices_per_node=target.devices_per_node)
-
-    def op(kind: str, phase: str, b: int) -> CommOp:
-        per_rank = b if kind == "all_gather" else b * layout.tp
-        t = collective_time_s(kind=kind, bytes=per_rank, group_size=layout.tp, tier=tier, target=target)
-        return CommOp("tp", kind, phase, per_rank, layout.tp, tier, t)
-
-    return (op("all_gather", "fwd", gathered), op("reduce_scatter", "fwd", nbytes),
-            op("all_gather", "bwd", nbytes), op("reduce_scatter", "bwd", gathered)) + (
-        (op("all_gather", "bwd", gathered),) if regather else ())
-
-
-def _attention_gathered(spec: ModelSpec, act: int) -> int:
-    """Bytes per rank the attention block all-gathers over TP: MLA gathers its latents (moeplan.runtime's
-    ParallelMLA, Megatron-LM MLA under SP: ``q_lora_rank + kv_lora_rank + qk_rope_head_dim`` wide, or the hidden
-    state plus the kv latent without a q latent); other attention the hidden state."""
-    if spec.attention != "mla":
-        return act
-    width = (spec.q_lora_rank or spec.hidden_size) + spec.kv_lora_rank + spec.qk_rope_head_dim
-    return act * width // spec.hidden_size
-
-
-def _ep_ops(spec: ModelSpec, layout: Layout, target: Target) -> tuple[CommOp, ...]:
-    """Dispatch + combine all-to-alls (fwd and bwd), the forward exchange of per-expert token counts that sizes the
-    uneven dispatch (int64 per expert: Megatron-LM ``MoEAlltoAllTokenDispatcher.preprocess``; moeplan's runtime
-    ``exchange_counts``) and, with expert-TP, the etp all-gather / reduce-scatter."""
-    n = layout.expert_shards
-    routed = _act_bytes(spec, layout, target) * spec.top_k
-    ops: list[CommOp] = []
-    if n > 1:
-        stride = 1 if layout.tp_extend_ep else layout.tp
-        t = all_to_all_time_s(bytes=routed, group_size=n, stride=stride, target=target)
-        span_tier = group_tier(stride=stride, group_size=n, devices_per_node=target.devices_per_node)
-        ops += [CommOp("ep", "all_to_all", ph, routed, n, span_tier, t) for ph in ("fwd", "bwd") for _ in range(2)]
-        counts = COUNT_BYTES * spec.num_experts
-        ops.append(CommOp("ep", "all_to_all", "fwd", counts, n, span_tier,
-                          all_to_all_time_s(bytes=counts, group_size=n, stride=stride, target=target)))
-    if layout.etp > 1:
-        tier = group_tier(stride=1, group_size=layout.etp, devices_per_node=target.devices_per_node)
-
-        def pair(nbytes: int) -> list[CommOp]:
-            ag = collective_time_s(kind="all_gather", bytes=nbytes, group_size=layout.etp, tier=tier, target=target)
-            rs = collective_time_s(kind="reduce_scatter", bytes=nbytes * layout.etp, group_size=layout.etp,
-                                   tier=tier, target=target)
-            return [CommOp("ep", "all_gather", "fwd", nbytes, layout.etp, tier, ag),
-                    CommOp("ep", "reduce_scatter", "bwd", nbytes * layout.etp, layout.etp, tier, rs)]
-
-        # the routed rows (and their mirror, the combined outputs), and the routing itself: gates and expert ids
-        # of the rank's tokens (Megatron-LM gathers probs and the routing map over TP)
-        ops += pair(routed) + [replace(o, phase="bwd" if o.phase == "fwd" else "fwd")
-                               for o in pair(routed)]
-        ops += pair(_act_bytes(spec, layout, target) // spec.hidden_size * 2 * spec.top_k)
-    return tuple(ops)
-
-
-def _cp_ops(spec: ModelSpec, layout: Layout, target: Target) -> tuple[CommOp, ...]:
-    """K/V all-gather over cp in forward, gradient reduce-scatter in backward (stride tp)."""
-    if layout.cp == 1:
-        return ()
-    heads = max(1, (spec.num_heads if spec.attention == "mla" else spec.num_kv_heads) // layout.tp)
-    v_dim = spec.v_head_dim if spec.attention == "mla" else spec.head_dim
-    kv = layout.micro_batch * layout.seq_len // layout.cp * heads * (spec.qk_head_dim + v_dim) * target.dtype_bytes
-    tier = group_tier(stride=layout.tp, group_size=layout.cp, devices_per_node=target.devices_per_node)
-    ag = collective_time_s(kind="all_gather", bytes=kv, group_size=layout.cp, tier=tier, target=target)
-    rs = collective_time_s(kind="reduce_scatter", bytes=kv * layout.cp, group_size=layout.cp, tier=tier,
-                           target=target)
-    return (CommOp("cp", "all_gather", "fwd", kv, layout.cp, tier, ag),
-            CommOp("cp", "reduce_scatter", "bwd", kv * layout.cp, layout.cp, tier, rs))
-
-
-def _cp_loss_op(layout: Layout, target: Target) -> tuple[CommOp, ...]:
-    """Under CP a head's micro-batch loss VALUE is summed over the CP group (one fp32 scalar all-reduce in forward,
-    moeplan.runtime's ParallelHead) so every rank reports the same loss."""
-    if layout.cp == 1:
-        return ()
-    tier = group_tier(stride=layout.tp, group_size=layout.cp, devices_per_node=target.devices_per_node)
-    t = collective_time_s(kind="all_reduce", bytes=LOSS_BYTES, group_size=layout.cp, tier=tier, target=target)
-    return (CommOp("cp", "all_reduce", "fwd", LOSS_BYTES, layout.cp, tier, t),)
-
-
-def _layer_comm(kind: LayerKind, *, spec: ModelSpec, layout: Layout, target: Target) -> tuple[CommOp, ...]:
-    act = _act_bytes(spec, layout, target)
-    if kind in (LayerKind.EMBEDDING, LayerKind.EMPTY):
-        return ()
-    if kind in (LayerKind.HEAD, LayerKind.MTP_HEAD):
-        # gather before the vocab-parallel output layer; in bwd its mirror and the re-gather
-        ops = _tp_pair(act, layout, target)
-        return ((ops[0], ops[3], ops[4]) if ops else ()) + _cp_loss_op(layout, target)
-    attn = (_tp_pair(act, layout, target, gathered=_attention_gathered(spec, act), regather=False)
-            + _cp_ops(spec, layout, target))
-    if kind == LayerKind.DENSE:
-        return attn + _tp_pair(act, layout, target)
-    moe = _ep_ops(spec, layout, target)
-    if spec.num_shared_experts or not layout.tp_extend_ep:
-        moe += _tp_pair(act, layout, target, regather=bool(spec.num_shared_experts))
-    return attn + moe
-
-
-def p2p_op(spec: ModelSpec, layout: Layout, target: Target) -> CommOp:
-    """One micro-batch's activations across a PP boundary; the pipeline's slowest hop sets the tier (stride
-    tp·cp·dp over pp ranks: intra-node only when the whole pipeline sits in one node)."""
-    nbytes = _act_bytes(spec, layout, target)
-    tier = group_tier(stride=layout.tp * layout.cp * layout.dp, group_size=layout.pp,
-                      devices_per_node=target.devices_per_node) if layout.pp > 1 else "intra"
-    t = collective_time_s(kind="p2p", bytes=nbytes, group_size=2, tier=tier, target=target) if layout.pp > 1 else 0.0
-    return CommOp("pp", "p2p", "fwd", nbytes, 2, tier, t)

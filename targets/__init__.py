@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from moeplan.errors import TargetError
+from moeplan.names import DISPATCHERS, MECHANISMS, SCHEDULES, Dispatcher, Mechanism, ScheduleKind
 
 
 class Link(BaseModel):
@@ -26,12 +27,25 @@ class Link(BaseModel):
 
 
 class Efficiency(BaseModel):
-    """Achievable fraction of peak: compute (cube/vector), HBM and links. Defaults from Ascend/msmodeling."""
+    """Achievable fraction of peak: compute (cube/vector), HBM and links. Defaults from Ascend/msmodeling.
+
+    ``attention_fwd`` / ``attention_bwd``: the fused attention kernel's forward and backward fraction of the bf16
+    peak, when a source gives it (None: ``compute``). ``gemm_m`` / ``fp8_gemm_m``: the grouped expert GEMM's
+    throughput at M tokens per local expert as a fraction of its throughput at large M, ``[[M, fraction], ...]``
+    ascending, interpolated in log M (None: the padded-tile model of cost_models/compute.py); ``gemm_k0``: a GEMM's
+    pipeline fill and epilogue in elements of K (its main loop runs at ``K/(K + K0)``), with ``compute`` then the
+    plateau at M ≥ 4096 and long K.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     compute: float = Field(default=0.7, gt=0, le=1)
     memory: float = Field(default=0.6, gt=0, le=1)
     comm: float = Field(default=0.7, gt=0, le=1)
+    attention_fwd: float | None = Field(default=None, gt=0, le=1)
+    attention_bwd: float | None = Field(default=None, gt=0, le=1)
+    gemm_m: tuple[tuple[int, Annotated[float, Field(gt=0, le=1)]], ...] | None = None
+    fp8_gemm_m: tuple[tuple[int, Annotated[float, Field(gt=0, le=1)]], ...] | None = None
+    gemm_k0: float | None = Field(default=None, gt=0)
 
 
 CommKind = Literal["p2p", "all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
@@ -50,6 +64,10 @@ class LaunchCost(BaseModel):
       ``backward_kernel_s`` the autograd engine's per-node work (measured by ``moeplan calibrate``). The kernel
       counts come from the trace (``OpAnnotation.fwd_kernels`` etc.).
 
+    ``host_launch_s``: host (CPU) time to issue one kernel on an ``"op"`` target (framework dispatch + driver
+    launch); ``host_sync_s``: the host's extra cost at a device-to-host synchronisation (the dropless dispatcher's
+    count copy). 0 where unknown: the host then never limits the device (cost_models/timeline.py).
+
     ``collective_latency_s`` (calibrated targets): the measured fixed cost of one 2-rank collective of each listed
     kind (``p2p``, ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``), link latency and launch
     included; a listed kind costs that, times its α step count at n ranks over that at 2, instead of
@@ -64,11 +82,30 @@ class LaunchCost(BaseModel):
     granularity: Literal["op", "kernel"] = "op"
     forward_kernel_s: float = Field(default=0.0, ge=0)
     backward_kernel_s: float = Field(default=0.0, ge=0)
+    host_launch_s: float = Field(default=0.0, ge=0)
+    host_sync_s: float = Field(default=0.0, ge=0)
     collective_latency_s: dict[CommKind, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
 
 
+class RuntimeSupport(BaseModel):
+    """What the runtime behind this target executes; the layout search picks only these (an explicit choice
+    outside them is refused). Accelerators run plans through Megatron-LM / MindSpeed-LLM, which have all of them;
+    the ``cpu`` emulator runs moeplan's own runtime."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    schedules: tuple[ScheduleKind, ...] = SCHEDULES
+    dispatchers: tuple[Dispatcher, ...] = DISPATCHERS
+    overlap: tuple[Mechanism, ...] = MECHANISMS
+
+
 class Target(BaseModel):
-    """A device type and its cluster links."""
+    """A device type and its cluster links.
+
+    ``fp8_flops``: dense FP8 peak of the matrix unit (None: no FP8). ``training_dtype`` ``fp8`` runs the decoder
+    layers' GEMMs in FP8 at that peak and keeps the rest in bf16 (DeepSeek-V3 arXiv 2412.19437 §3.3).
+    ``comm_compute_slowdown``: how much slower compute runs while a collective of the device is in flight (a
+    fraction; 0 where unknown).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     name: str
@@ -78,6 +115,7 @@ class Target(BaseModel):
     usable_memory_fraction: float = Field(default=0.9, gt=0, le=1)  # the rest: framework, fragmentation
     hbm_bandwidth_bytes_per_s: float = Field(gt=0)
     cube_flops: float = Field(gt=0)  # dense bf16 peak of the matrix unit (tensor cores / Ascend cube)
+    fp8_flops: float | None = Field(default=None, gt=0)
     vector_flops: float = Field(gt=0)  # peak of the vector unit
     matmul_alignment: int = Field(default=16, gt=0)  # GEMM dims off a multiple of this lose efficiency
     host_bandwidth_bytes_per_s: float = Field(gt=0)  # device<->host copies (swap)
@@ -85,7 +123,9 @@ class Target(BaseModel):
     inter_node: Link
     efficiency: Efficiency = Efficiency()
     launch: LaunchCost = LaunchCost()
-    training_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"  # activations/weights as the runtime trains them
+    training_dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"  # as the runtime trains (fp8: GEMMs only)
+    comm_compute_slowdown: float = Field(default=0.0, ge=0)
+    runtime: RuntimeSupport = RuntimeSupport()
     variant: str | None = None
 
     @property
@@ -94,7 +134,8 @@ class Target(BaseModel):
 
     @property
     def dtype_bytes(self) -> int:
-        """Bytes per activation (and weight) element in ``training_dtype``: 2 for bf16/fp16, 4 for fp32."""
+        """Bytes per activation (and weight) element in ``training_dtype``: 2 for bf16/fp16 (and fp8, whose
+        activations stay bf16), 4 for fp32."""
         return 4 if self.training_dtype == "fp32" else 2
 
 
@@ -106,7 +147,8 @@ def target_names() -> list[str]:
     return sorted(p.name[:-5] for p in _DIR.iterdir() if p.name.endswith(".yaml"))
 
 
-def load_target(name: str, *, variant: str | None = None, devices_per_node: int | None = None) -> Target:
+def load_target(name: str, *, variant: str | None = None, devices_per_node: int | None = None,
+                training_dtype: str | None = None) -> Target:
     """Load a shipped target by name (or a path to a target YAML file).
 
     Raises TargetError: unknown name or variant, malformed YAML, or a field that breaks the schema.
@@ -138,11 +180,16 @@ def load_target(name: str, *, variant: str | None = None, devices_per_node: int 
         data["variant"] = variant
     if devices_per_node is not None:
         data["devices_per_node"] = devices_per_node
+    if training_dtype is not None:
+        data["training_dtype"] = training_dtype
     try:
-        return Target.model_validate(data)
+        target = Target.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"])
         if err["type"] == "missing":
             raise TargetError(f"{field}: required field missing (target {label})") from None
         raise TargetError(f"{field}={err.get('input')!r}: {err['msg']} (target {label})") from None
+    if target.training_dtype == "fp8" and target.fp8_flops is None:
+        raise TargetError(f"training_dtype='fp8': target {label} has no FP8 matrix unit (fp8_flops is not set)")
+    return target

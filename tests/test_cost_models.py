@@ -3,15 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from moeplan.cost_models.comm import (
-    all_to_all_time_s,
-    collective_time_s,
-    group_tier,
-    hierarchical_combine_time_s,
-    hierarchical_dispatch_time_s,
-    local_peer_range,
-)
-from moeplan.cost_models.compute import annotation_time_s, matmul_efficiency, op_time_s
+from moeplan.cost_models.comm import all_to_all_time_s, collective_time_s, group_tier, local_peer_range
+from moeplan.cost_models.compute import (annotation_time_s, curve_factor, gemm_shape_efficiency, k_pipeline,
+                                         matmul_efficiency, op_time_s)
 from moeplan.ir import LayerKind, OpAnnotation, OpKind, ShardHint
 from moeplan.targets import load_target
 
@@ -137,9 +131,10 @@ def test_annotation_time_weight_bytes_follow_weight_sharding() -> None:
     assert fwd == pytest.approx((act * 0.5 + 2 * 7680 * 7680 * 0.125) / hbm)
     assert annotation_time_s(op, scale=0.5, target=NPU)[0] - OTHER_LAUNCH == pytest.approx(
         (act * 0.5 + 2 * 7680 * 7680) / hbm)
-    # m_scale, not scale, sets the padded tiles: 256 tokens grown 4x fill the tiles again
+    # the device GEMM shape, not scale, sets the padded tiles: 256 tokens grown 4x fill the tiles again
     small = _op(OpKind.GROUPED_MATMUL, m=256, n=7680, k=7680, params=7680 * 7680)
-    grown = annotation_time_s(small, scale=0.25, target=NPU, weight_scale=0.01, m_scale=4.0)[0] - MATMUL_LAUNCH
+    grown = annotation_time_s(small, scale=0.25, target=NPU, weight_scale=0.01, mnk=(1024, 7680, 7680))[0] \
+        - MATMUL_LAUNCH
     assert grown == pytest.approx(2.0 * 256 * 7680 * 7680 * 0.25 / (353.9e12 * 0.7))
     with pytest.raises(ValueError, match="weight_scale=0"):
         annotation_time_s(op, scale=1.0, target=NPU, weight_scale=0)
@@ -213,7 +208,7 @@ def test_collective_scaling_laws() -> None:
     # an all-gather of the shard moves what a reduce-scatter of the full tensor moves
     assert bw_part("all_gather", s / 8, 8) == pytest.approx(bw_part("reduce_scatter", s, 8))
     # the ring all-reduce's volume tends to 2·S/B as n grows
-    b = 450e9 * 0.7
+    b = 450e9 * H100.efficiency.comm
     assert bw_part("all_reduce", s, 1024) == pytest.approx(2 * s / b, rel=2e-3)
     assert bw_part("all_reduce", s, 2) == pytest.approx(s / b)
     # inter-node is slower than intra-node for every kind
@@ -282,31 +277,56 @@ def test_all_to_all_tiers_hand_computed() -> None:
     assert flat_intra < t < flat_inter
 
 
-def test_hierarchical_dispatch_halves_inter_node_volume() -> None:
-    # EP over 4 nodes, TP 8 inside each, top-8 (FACTS §3: 3 vs 6 token-copies off-node per token)
-    tokens_bytes = 4096 * 7680 * 2
-    bi, be = 196e9 * 0.7, 25e9 * 0.7
-    hier = hierarchical_dispatch_time_s(bytes=tokens_bytes, topk=8, tp=8, ep=4, target=NPU)
-    expected_hier = (3 * tokens_bytes / be + 3 * 1.5e-6 + COLL_LAUNCH          # all-gather over 4 nodes
-                     + 7 / 8 * 8 * tokens_bytes / bi + 7 * 0.5e-6 + COLL_LAUNCH)  # all-to-all-v in the node
-    assert hier == pytest.approx(expected_hier)
-    flat = all_to_all_time_s(bytes=8 * tokens_bytes, group_size=32, stride=1, target=NPU)
-    assert flat == pytest.approx(6 * tokens_bytes / be + 24 * 1.5e-6 + COLL_LAUNCH)
-    assert hier / flat == pytest.approx((3 / be + 7 / bi) / (6 / be), rel=1e-3)
-    # the metadata rides with the all-gather
-    meta = 4096 * 8 * 12
-    with_meta = hierarchical_dispatch_time_s(bytes=tokens_bytes, topk=8, tp=8, ep=4, target=NPU, metadata_bytes=meta)
-    assert with_meta - hier == pytest.approx(3 * meta / be)
-    # the combine is the mirror image: reduce-scatter of ep·T tokens moves what the all-gather of T moved
-    combine = hierarchical_combine_time_s(bytes=tokens_bytes, topk=8, tp=8, ep=4, target=NPU)
-    assert combine == pytest.approx(hier)
+def test_gemm_shape_efficiency_hand_computed() -> None:
+    """curve(M) · K/(K + K0) · padding; the grouped SwiGLU experts mix K = hidden (w1, w3) and K = width (w2)."""
+    curve = ((64, 0.25), (4096, 1.0))
+    assert curve_factor(curve, 32) == 0.25 and curve_factor(curve, 8192) == 1.0
+    assert curve_factor(curve, 512) == pytest.approx(0.25 + 0.75 * 0.5)  # halfway in log M
+    assert k_pipeline(450, 450) == 0.5 and k_pipeline(7, None) == 1.0
+    dense = gemm_shape_efficiency((4096, 4096, 1800), grouped=False, alignment=8, curve=curve, k0=600)
+    assert dense == pytest.approx(0.75)
+    grouped = gemm_shape_efficiency((512, 600, 1800), grouped=True, alignment=8, curve=curve, k0=600)
+    assert grouped == pytest.approx(curve_factor(curve, 512) * 3 / (2 / 0.75 + 1 / 0.5))
+    assert gemm_shape_efficiency((4096, 4095, 1800), grouped=False, alignment=8, curve=curve, k0=600) == \
+        pytest.approx(0.75 * 4095 / 4096)  # N = 4095 pads to 4096
 
 
-def test_hierarchical_needs_an_intra_node_tp_group() -> None:
-    with pytest.raises(ValueError, match="tp=1"):
-        hierarchical_dispatch_time_s(bytes=1e6, topk=8, tp=1, ep=4, target=NPU)
-    with pytest.raises(ValueError, match="tp=16"):
-        hierarchical_combine_time_s(bytes=1e6, topk=8, tp=16, ep=4, target=NPU)
+def test_h800_fp8_gemms_follow_deepgemm() -> None:
+    """The H800 target's FP8 GEMM model against DeepGEMM's README table (M = 4096; TFLOPS): within 8%."""
+    h800 = load_target("h800")
+    for k, n, measured in ((512, 32768, 775), (1536, 24576, 1212), (2048, 7168, 1168), (7168, 4096, 1410),
+                           (16384, 7168, 1520)):
+        model = h800.fp8_flops * h800.efficiency.compute * gemm_shape_efficiency(
+            (4096, n, k), grouped=False, alignment=8, curve=h800.efficiency.fp8_gemm_m, k0=h800.efficiency.gemm_k0)
+        assert model / 1e12 == pytest.approx(measured, rel=0.08)
+
+
+def test_fp8_runs_decoder_gemms_at_the_fp8_peak_and_pays_the_cast() -> None:
+    """Under training_dtype fp8 a decoder GEMM runs at fp8_flops and first quantizes its activations (1.5 bytes per
+    bf16 byte at HBM speed); the output layer, attention and vector ops keep bf16."""
+    fp8 = load_target("h800", training_dtype="fp8")
+    bf16 = load_target("h800")
+    gemm = _op(OpKind.MATMUL, m=4096, n=4096, k=4096, params=4096 * 4096)
+    t8, t16 = annotation_time_s(gemm, scale=1.0, target=fp8)[0], annotation_time_s(gemm, scale=1.0, target=bf16)[0]
+    act_in = gemm.bytes_read - 2 * gemm.param_count
+    cast = act_in * 1.5 / (fp8.hbm_bandwidth_bytes_per_s * fp8.efficiency.memory) + fp8.launch.other_s
+    assert t8 - cast - MATMUL_LAUNCH == pytest.approx((t16 - MATMUL_LAUNCH) / 2)
+    head = _op(OpKind.MATMUL, m=4096, n=4096, k=4096, params=4096 * 4096)
+    from dataclasses import replace
+    head = replace(head, layer_kind=LayerKind.HEAD)
+    assert annotation_time_s(head, scale=1.0, target=fp8) == annotation_time_s(head, scale=1.0, target=bf16)
+    with pytest.raises(Exception, match="no FP8"):
+        load_target("a100", training_dtype="fp8")
+
+
+def test_attention_uses_its_measured_efficiency_and_fa_backward_count() -> None:
+    """H100 attention: forward at attention_fwd of the bf16 peak; backward 1.25× the traced dX FLOPs (the fused
+    kernel recomputes the scores) at attention_bwd."""
+    attn = _op(OpKind.ATTENTION, m=4096, n=4096, k=4096, params=0)  # compute-bound
+    fwd, dx, _ = annotation_time_s(attn, scale=1.0, target=H100)
+    eff = H100.efficiency
+    assert fwd - MATMUL_LAUNCH == pytest.approx(attn.fwd_flops / (H100.cube_flops * eff.attention_fwd))
+    assert dx - MATMUL_LAUNCH == pytest.approx(attn.bwd_input_flops * 1.25 / (H100.cube_flops * eff.attention_bwd))
 
 
 def test_kernel_granularity_pays_per_aten_kernel_and_training_dtype_scales_bytes() -> None:
