@@ -2,14 +2,16 @@
 
 The pieces, in pipeline order, are the embedding, the decoder layers, each MTP module as two pieces (its block and
 its logits + loss, so the MTP "layer" can be split across stages, as Pangu Ultra MoE does — arXiv 2505.04519 §4)
-and the head with the loss. Chunk ``c`` of PP rank ``r`` is pipeline stage ``c·pp + r`` (Megatron's interleaved
-placement), so stage order is chunk-major. Each piece costs its forward + backward time on one micro-batch
-including its in-layer communication (``shard``'s LayerCost, no recompute yet).
+and the head with the loss. The pieces fill pipeline stages 0, 1, … in order; stage ``c·pp + r`` is chunk ``c`` of
+PP rank ``r`` (Megatron's interleaved placement), or, for the V-shaped schedules (ZB-V, DualPipeV), stage ``r`` and
+``2·pp − 1 − r`` are the two chunks of rank ``r`` (passes/schedule.py). Each piece costs its forward + backward
+time on one micro-batch including its in-layer communication (``shard``'s LayerCost, no recompute yet).
 
 Min-max contiguous partition: the optimum is one of the O(n²) contiguous sums; binary search over them with the
 greedy feasibility test (fill a chunk until the bound would be exceeded) finds it exactly (the linear partition
 problem, Skiena, *The Algorithm Design Manual* §8.5). Chunks left empty by the greedy fill are split off the
-largest chunks, which never raises the maximum.
+largest chunks, which never raises the maximum. The split does not look at which rank each stage lands on: with
+``vpp > 1`` one rank may get two of the heavier chunks (docs/step-model.md §4 says what that costs).
 
 Empty layers (MindSpeed ``--noop-layers``, FACTS §3): runtimes such as MindSpeed-LLM need the same number of
 decoder layers (dense, MoE, MTP block) in every chunk. The uniform mode gives every chunk ``capacity`` slots and
@@ -27,17 +29,31 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import ClassVar, Literal
 
+from moeplan.cost_models.timeline import RunSettings, action_time_s
 from moeplan.errors import LayoutError
 from moeplan.ir import LayerKind, named_layers
+from moeplan.passes.schedule import Placement, placement_of, stage_of, stage_rank
 from moeplan.state import LayerCost, PlanState, StagePlan
 
 SLOT_KINDS = frozenset({LayerKind.DENSE, LayerKind.MOE, LayerKind.MTP})
 UNIFORM_TOLERANCE = 0.01  # auto mode: accept equal layer counts when the slowest chunk is at most 1% slower
 
 
-def piece_time_s(cost: LayerCost) -> float:
-    """Forward + backward (dX + dW) + in-layer communication of one layer for one micro-batch, seconds."""
-    return cost.fwd_s + cost.bwd_input_s + cost.bwd_weight_s + cost.comm_s("fwd") + cost.comm_s("bwd")
+def piece_time_s(cost: LayerCost, settings: RunSettings = RunSettings(mechanisms=frozenset())) -> float:
+    """Seconds of one layer's forward and full backward for one micro-batch, its collectives beside or blocking
+    its compute as ``settings`` say (cost_models/timeline.py). Under ``fb`` the steady state pairs one micro-batch's
+    forward with another's backward, so a layer costs what its busiest resource holds: its compute, slowed for as
+    long as its collectives can run beside it, or one link tier's collectives. Otherwise its forward and its
+    backward on an idle rank, one after the other. The default settings overlap nothing: compute plus every
+    collective."""
+    prog = cost.program
+    if "fb" in settings.mechanisms:
+        segs = prog.fwd + prog.backward
+        comms = [x.comm for x in segs if x.comm is not None]
+        tiers = [sum(c.busy_s(t) for c in comms) for t in ("intra", "inter")]
+        compute = sum(x.seconds for x in segs if x.kind == "compute")
+        return max(compute + settings.compute_slowdown * min(compute, max(tiers)), *tiers)
+    return action_time_s([prog.fwd], settings) + action_time_s([prog.backward], settings)
 
 
 def min_max_partition(times: list[float], num_chunks: int, *, slots: list[int] | None = None,
@@ -105,7 +121,9 @@ class PartitionStagesPass:
         pp, vpp = state.layout.pp, state.layout.vpp
         layers = named_layers(state.graph.spec)
         costs = state.sharding.layer_costs
-        times = [piece_time_s(costs[k]) for _, k in layers]
+        settings = _settings(state)
+        per_kind = {k: piece_time_s(c, settings) for k, c in costs.items()}
+        times = [per_kind[k] for _, k in layers]
         slots = [int(k in SLOT_KINDS) for _, k in layers]
         free = min_max_partition(times, pp * vpp)
         assert free is not None
@@ -122,6 +140,7 @@ class PartitionStagesPass:
                 else:
                     note = (f"equal counts ({cap} per chunk, {cap * pp * vpp - sum(slots)} empty layers) would "
                             f"make the slowest chunk {slowdown:+.1%} slower")
+        placement = placement_of(state.strategy.schedule)
         stage_names, stage_times, empties, start = [], [], [], 0
         for r in runs:
             names = [n for n, _ in layers[start:start + r]]
@@ -130,13 +149,24 @@ class PartitionStagesPass:
             stage_names.append(names)
             stage_times.append(sum(times[start:start + r]))
             start += r
-        chunks = tuple(tuple(tuple(stage_names[c * pp + r]) for c in range(vpp)) for r in range(pp))
-        chunk_t = tuple(tuple(stage_times[c * pp + r] for c in range(vpp)) for r in range(pp))
+        at = [[stage_of(r, c, pp=pp, placement=placement) for c in range(vpp)] for r in range(pp)]
+        chunks = tuple(tuple(tuple(stage_names[s]) for s in row) for row in at)
+        chunk_t = tuple(tuple(stage_times[s] for s in row) for row in at)
         mean = sum(stage_times) / len(stage_times)
         imbalance = max(stage_times) / mean - 1 if mean > 0 else 0.0
-        reason = _reason(stage_names, pp, imbalance, empties, capacity, note)
+        reason = _reason(stage_names, pp, placement, imbalance, empties, capacity, note)
         return state.with_(stages=StagePlan(chunks=chunks, chunk_time_s=chunk_t, imbalance=imbalance,
-                                            empty_layers=tuple(empties), reason=reason))
+                                            empty_layers=tuple(empties), reason=reason, placement=placement))
+
+
+def _settings(state: PlanState) -> RunSettings:
+    """What runs beside compute under the state's strategy and target (as ``simulate`` sets it, without the PP
+    link)."""
+    tgt = state.target
+    host = tgt.launch.granularity == "op"
+    return RunSettings(mechanisms=frozenset(state.strategy.overlap), compute_slowdown=tgt.comm_compute_slowdown,
+                       host_launch_s=tgt.launch.host_launch_s if host else 0.0,
+                       host_sync_s=tgt.launch.host_sync_s if host else 0.0)
 
 
 def _max_run(times: list[float], runs: list[int]) -> float:
@@ -163,10 +193,11 @@ def _pad(names: list[str], missing: int, empties: list[str]) -> list[str]:
     return names[:at] + new + names[at:]
 
 
-def _reason(stage_names: list[list[str]], pp: int, imbalance: float, empties: list[str],
+def _reason(stage_names: list[list[str]], pp: int, placement: Placement, imbalance: float, empties: list[str],
             capacity: int | None, note: str) -> str:
     def where(prefix: str) -> str:
-        return "; ".join(f"{n} on stage {s} (pp rank {s % pp}, chunk {s // pp})"
+        return "; ".join(f"{n} on stage {s} (pp rank {stage_rank(s, pp=pp, placement=placement)}, chunk "
+                         f"{int(s >= pp) if placement == 'v' else s // pp})"
                          for s, names in enumerate(stage_names) for n in names if n.startswith(prefix))
 
     parts = [p for p in (where("mtp."), where("mtp_head.")) if p]

@@ -1,13 +1,16 @@
 """Pass ``plan-memory`` v1: per PP rank, the cheapest recompute mode that fits the device memory.
 
-Modes, cheapest first: ``none`` (keep every saved tensor), ``selective`` (recompute norms, activation functions and
+``Strategy.recompute`` (``--recompute``) fixes the mode for every rank (``none``, ``selective``, ``full``), so a
+published recipe can be reproduced; ``auto`` picks per rank. Modes, cheapest first: ``none`` (keep every saved tensor), ``selective`` (recompute norms, activation functions and
 core attention — MindSpeed ``--recompute-norm`` / ``--recompute-activation-function``, Megatron-LM selective
 recompute, arXiv 2205.05198 §5), ``full`` (keep only each layer's input; Chen et al. arXiv 1604.06174). A rank's
 memory is its model states (cost_models/memory.py, distributed optimizer) plus the peak of live activations
-walked over the rank's own schedule order plus the largest op workspace. The per-operator keep/recompute/swap ILP
+walked over the rank's action list from the ``schedule`` pass (which it requires: the in-flight micro-batches are
+the schedule's) plus the largest op workspace. The per-operator keep/recompute/swap ILP
 replaces this pass later (DESIGN §4).
 
-Raises InfeasibleError, naming the per-device memory needed, when even full recompute does not fit.
+Raises InfeasibleError, naming the per-device memory needed, when even full recompute (or the fixed mode) does not
+fit.
 """
 from __future__ import annotations
 
@@ -17,7 +20,6 @@ from typing import ClassVar
 from moeplan.cost_models.memory import model_state_bytes, peak_live_bytes
 from moeplan.errors import InfeasibleError
 from moeplan.ir import kind_of
-from moeplan.passes.schedule import build_actions
 from moeplan.state import LayerCost, MemoryPlan, PlanState, Recompute, StageMemory
 
 MODES: tuple[Recompute, ...] = ("none", "selective", "full")
@@ -34,26 +36,35 @@ class PlanMemoryPass:
     """Pick, per PP rank, the cheapest of no / selective / full recompute whose memory fits the budget."""
 
     name: ClassVar[str] = "plan-memory"
-    requires: ClassVar[tuple[str, ...]] = ("sharding", "stages")
+    requires: ClassVar[tuple[str, ...]] = ("sharding", "stages", "schedule")
     provides: ClassVar[tuple[str, ...]] = ("memory",)
     budget_fraction: float = 1.0
     """Fraction of the target's usable device memory the plan may use."""
+    enforce: bool = True
+    """False: never raise; a rank that fits under no allowed mode gets the last one tried (full, or the fixed
+    mode), and the plan's memory says it does not fit (to price a published layout whose memory tricks moeplan
+    does not model yet)."""
 
     def run(self, state: PlanState) -> PlanState:
-        assert state.sharding is not None and state.stages is not None
+        assert state.sharding is not None and state.stages is not None and state.schedule is not None
         budget = state.target.usable_memory_bytes * self.budget_fraction
-        lay = state.layout
-        actions = build_actions(pp=lay.pp, vpp=lay.vpp, num_microbatches=lay.num_microbatches)
+        lay, asked = state.layout, state.strategy.recompute
+        actions = state.schedule.actions
+        modes = MODES if asked == "auto" else (asked,)
         stages = []
         for r in range(lay.pp):
-            for mode in MODES:  # cheapest first; stop at the first that fits
+            for mode in modes:  # cheapest first; stop at the first that fits
                 mem = rank_memory(state, r, mode, actions[r])
                 if mem.total_bytes <= budget:
                     break
             else:
+                if not self.enforce:
+                    stages.append(mem)
+                    continue
+                with_what = "even with full recompute" if asked == "auto" else f"with recompute {asked!r}"
                 raise InfeasibleError(
-                    f"memory: pp rank {r} needs {mem.total_bytes / GIB:.1f} GiB per device even with full "
-                    f"recompute ({lay.short()}); {state.target.name} allows {budget / GIB:.1f} GiB")
+                    f"memory: pp rank {r} needs {mem.total_bytes / GIB:.1f} GiB per device {with_what} "
+                    f"({lay.short()}); {state.target.name} allows {budget / GIB:.1f} GiB")
             stages.append(mem)
         return state.with_(memory=MemoryPlan(stages=tuple(stages), budget_bytes=budget))
 
@@ -70,7 +81,7 @@ def rank_memory(state: PlanState, rank: int, mode: Recompute, actions: tuple[str
         dense += sum(lc.params - lc.expert_params for lc in layer_costs)
         expert += sum(lc.expert_params for lc in layer_costs)
         workspace = max([workspace, *(lc.workspace_bytes for lc in layer_costs)])
-        stage_bytes[c * lay.pp + rank] = sum(saved_bytes(lc, mode) for lc in layer_costs)
+        stage_bytes[state.stages.stage_of(rank, c)] = sum(saved_bytes(lc, mode) for lc in layer_costs)
     ms = model_state_bytes(dense_params=dense, expert_params=expert, dense_dp=lay.dp * lay.cp,
                            expert_dp=lay.expert_dp)
     act, in_flight = peak_live_bytes(actions, stage_bytes)

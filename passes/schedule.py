@@ -1,36 +1,65 @@
-"""Pass ``schedule``: per-rank pipeline action lists for 1F1B and interleaved 1F1B (DESIGN §4, §6).
+"""Pass ``schedule``: per-rank pipeline action lists (DESIGN §4, §6; docs/step-model.md §4).
 
 Actions use ``torch.distributed.pipelining``'s notation (``_Action.from_str``): ``{stage}F{mb}``, ``{stage}B{mb}``,
-``{stage}SEND_F{mb}``, ``{stage}RECV_F{mb}``, ``{stage}SEND_B{mb}``, ``{stage}RECV_B{mb}``. With ``pp`` ranks and
-``vpp`` chunks per rank, pipeline stage ``s = chunk·pp + rank`` (Megatron-LM's looped / interleaved placement), so
-rank ``r`` holds stages ``r, r+pp, ...``.
+``{stage}I{mb}`` / ``{stage}W{mb}`` (backward split into input and weight gradients), ``({s}F{m};{s}B{m})OVERLAP_F_B``,
+and the p2p actions ``{stage}SEND_F{mb}``, ``RECV_F``, ``SEND_B``, ``RECV_B``.
 
-Compute order:
+Schedules (the ``Strategy.schedule`` the search or the user chose):
 
-- **1F1B** (PipeDream-Flush, Narayanan et al. SC'21 §2.2; Megatron-LM ``forward_backward_pipelining_without_
+- **1f1b** (PipeDream-Flush, Narayanan et al. SC'21 §2.2; Megatron-LM ``forward_backward_pipelining_without_
   interleaving``): rank r runs ``min(pp − r − 1, m)`` warm-up forwards, then pairs F, B, then the remaining B.
-  torch's ``Schedule1F1B`` runtime executes the same order (its warm-up of ``pp − r`` counts the first steady F).
-- **Interleaved 1F1B** (SC'21 §2.2.2; Megatron-LM ``forward_backward_pipelining_with_interleaving``): warm-up of
-  ``(pp − r − 1)·2 + (vpp − 1)·pp`` forward chunks (capped at ``m·vpp``), micro-batches in groups of ``pp``: the k-th
-  forward is chunk ``(k mod pp·vpp) div pp`` of micro-batch ``(k div pp·vpp)·pp + k mod pp``; backwards walk the
-  chunks in reverse. Needs ``m mod pp = 0``. This equals torch's ``ScheduleInterleaved1F1B`` order for such m (checked
-  in tests/test_schedule.py); torch's "flex" variant for other m is not generated here.
+- **interleaved** (SC'21 §2.2.2; Megatron-LM ``forward_backward_pipelining_with_interleaving``): warm-up of
+  ``(pp − r − 1)·2 + (vpp − 1)·pp`` forward chunks, micro-batches in groups of ``pp``; needs ``m mod pp = 0``. Equal
+  to torch's ``ScheduleInterleaved1F1B`` for such m (tests/test_schedule.py).
+- **zero-bubble**, **zbv**, **dualpipev**: the compute orders of torch's ``ScheduleInterleavedZeroBubble`` (Qi et
+  al., "Zero Bubble Pipeline Parallelism", ICLR'24; vpp ≥ 2), ``ScheduleZBVZeroBubble`` (ZB-V, vpp = 2) and
+  ``ScheduleDualPipeV`` (DeepSeek-V3 §3.2.1's DualPipe cut to a V; vpp = 2, m ≥ 2·pp, with ``OVERLAP_F_B`` pairs),
+  generated offline by ``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops``. ZB-V and DualPipeV
+  place stages in a V: rank r holds stages r and 2·pp − 1 − r; the others loop: stage ``c·pp + r``.
 
-Communication: each F of a stage whose successor is on another rank is followed by its ``SEND_F``; the consuming F
-is immediately preceded by its ``RECV_F``; the same for B backwards with ``SEND_B`` / ``RECV_B``. (torch's
-``_add_send_recv`` yields the same pairs; placing each RECV right before its consumer is its ``defer_pp_recv``.)
+Mechanism ``fb`` (the forward of one micro-batch overlapped with the backward of another: Megatron-LM
+``--overlap-moe-expert-parallel-comm``, MindSpeed ``--moe-fb-overlap``): on 1f1b and interleaved, one more warm-up
+forward per rank (one more micro-batch in flight, as Megatron-LM's combined 1F1B needs), then every steady-state F
+and the B that follows it become one ``OVERLAP_F_B`` action; DualPipeV's own pairs stay. Without ``fb`` a
+DualPipeV pair runs as its F, then its B.
+
+Communication: each compute action whose neighbour stage is on another rank gets its ``RECV`` right before it and
+its ``SEND`` right after (torch's ``_add_send_recv`` with ``defer_pp_recv``).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar, Literal, Sequence
 
 from moeplan.cost_models.memory import peak_live_bytes
+from moeplan.cost_models.timeline import OVERLAP, compute_parts
 from moeplan.errors import LayoutError, PlanError
-from moeplan.state import PlanState, Schedule
+from moeplan.state import PlanState, Schedule, ScheduleKind
 
+Placement = Literal["loop", "v"]
 _Compute = tuple[str, int, int]  # (kind "F"/"B", stage, micro-batch)
+_TORCH_NAMES = {"zero-bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
+
+
+def placement_of(kind: ScheduleKind) -> Placement:
+    """``v`` for the V-shaped schedules (zbv, dualpipev), else ``loop``."""
+    return "v" if kind in ("zbv", "dualpipev") else "loop"
+
+
+def stage_rank(stage: int, *, pp: int, placement: Placement) -> int:
+    """PP rank that holds pipeline stage ``stage``."""
+    if placement == "v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def stage_of(rank: int, chunk: int, *, pp: int, placement: Placement) -> int:
+    """Pipeline stage of PP rank ``rank``'s chunk ``chunk``."""
+    if placement == "v":
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
 
 
 def _check_counts(**counts: int) -> None:
@@ -39,18 +68,38 @@ def _check_counts(**counts: int) -> None:
             raise LayoutError(f"{name}={value!r}: must be a positive integer")
 
 
-def _one_f_one_b_compute(pp: int, num_microbatches: int, rank: int) -> list[_Compute]:
-    warmup = min(pp - rank - 1, num_microbatches)
+def schedule_fits(kind: ScheduleKind, *, pp: int, vpp: int, num_microbatches: int) -> str | None:
+    """None when ``kind`` can run the layout, else the rule it breaks (one line)."""
+    m = num_microbatches
+    if kind == "1f1b":
+        return None if vpp == 1 else "1f1b runs one chunk per rank (vpp=1)"
+    if kind == "interleaved":
+        if pp < 2 or vpp < 2:
+            return "interleaved needs pp >= 2 and vpp >= 2"
+        return None if m % pp == 0 else f"interleaved needs micro-batches ({m}) divisible by pp ({pp})"
+    if kind == "zero-bubble":
+        return None if vpp >= 2 else "zero-bubble (torch's Interleaved Zero Bubble) needs vpp >= 2"
+    if kind in ("zbv", "dualpipev"):
+        if vpp != 2:
+            return f"{kind} places two chunks per rank in a V (vpp=2)"
+        if kind == "dualpipev" and m < 2 * pp:
+            return f"dualpipev needs at least 2·pp = {2 * pp} micro-batches (got {m})"
+        return None
+    return f"unknown schedule {kind!r}"
+
+
+def _one_f_one_b_compute(pp: int, m: int, rank: int, extra: int = 0) -> list[_Compute]:
+    warmup = min(pp - rank - 1 + extra, m)
     ops: list[_Compute] = [("F", rank, mb) for mb in range(warmup)]
-    for i in range(num_microbatches - warmup):
+    for i in range(m - warmup):
         ops += [("F", rank, warmup + i), ("B", rank, i)]
-    ops += [("B", rank, mb) for mb in range(num_microbatches - warmup, num_microbatches)]
+    ops += [("B", rank, mb) for mb in range(m - warmup, m)]
     return ops
 
 
-def _interleaved_compute(pp: int, vpp: int, num_microbatches: int, rank: int) -> list[_Compute]:
-    total = num_microbatches * vpp
-    warmup = min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+def _interleaved_compute(pp: int, vpp: int, m: int, rank: int, extra: int = 0) -> list[_Compute]:
+    total = m * vpp
+    warmup = min((pp - rank - 1) * 2 + (vpp - 1) * pp + extra, total)
 
     def at(k: int, backward: bool) -> _Compute:
         chunk = (k % (pp * vpp)) // pp
@@ -64,81 +113,156 @@ def _interleaved_compute(pp: int, vpp: int, num_microbatches: int, rank: int) ->
     return ops
 
 
-def _with_comms(compute: Sequence[_Compute], pp: int, num_stages: int) -> tuple[str, ...]:
-    """Insert RECV before and SEND after each compute action whose neighbour stage is on another rank."""
+@lru_cache(maxsize=64)
+def torch_compute_order(kind: ScheduleKind, pp: int, vpp: int, num_microbatches: int) -> tuple[tuple[str, ...], ...]:
+    """Per-rank compute actions of torch's schedule ``kind`` (zero-bubble, zbv, dualpipev), as strings.
+
+    torch's runtime schedules (DualPipeV) also lower their order to p2p actions while constructed; moeplan adds its
+    own (:func:`with_comms`), so that lowering, most of the construction time at pp 32, is skipped."""
+    from unittest import mock
+
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    with mock.patch.object(_PipelineScheduleRuntime, "_prepare_schedule_with_comms", lambda self, order: None):
+        ops = get_schedule_ops(_TORCH_NAMES[kind], pp, num_microbatches, num_stages_per_rank=vpp)
+    return tuple(tuple(str(a) for a in rank if a is not None) for rank in ops)
+
+
+def _texts(compute: Sequence[_Compute]) -> list[str]:
+    return [f"{s}{k}{m}" for k, s, m in compute]
+
+
+def pair_fb(compute: Sequence[str]) -> list[str]:
+    """Merge every F immediately followed by a B into one ``(F;B)OVERLAP_F_B`` action (steady state only: the
+    warm-up forwards are followed by a forward, the cool-down backwards by a backward)."""
     out: list[str] = []
-    for kind, stage, mb in compute:
-        peer_in, peer_out = (stage - 1, stage + 1) if kind == "F" else (stage + 1, stage - 1)
-        if 0 <= peer_in < num_stages and peer_in % pp != stage % pp:
-            out.append(f"{stage}RECV_{kind}{mb}")
-        out.append(f"{stage}{kind}{mb}")
-        if 0 <= peer_out < num_stages and peer_out % pp != stage % pp:
-            out.append(f"{stage}SEND_{kind}{mb}")
+    i = 0
+    while i < len(compute):
+        a = compute[i]
+        if i + 1 < len(compute) and _kind(a) == "F" and _kind(compute[i + 1]) == "B":
+            out.append(f"({a};{compute[i + 1]}){OVERLAP}")
+            i += 2
+        else:
+            out.append(a)
+            i += 1
+    return out
+
+
+def split_fb(compute: Sequence[str]) -> list[str]:
+    """Run each OVERLAP_F_B pair as its F, then its B."""
+    out: list[str] = []
+    for a in compute:
+        out += [f"{p.stage}{p.kind}{p.microbatch}" for p in compute_parts(a)] if a.startswith("(") else [a]
+    return out
+
+
+def _kind(text: str) -> str:
+    parts = compute_parts(text)
+    return parts[0].kind if len(parts) == 1 else OVERLAP
+
+
+def with_comms(compute: Sequence[str], *, pp: int, num_stages: int, placement: Placement) -> tuple[str, ...]:
+    """Insert RECVs before and SENDs after each compute action whose neighbour stage is on another rank."""
+    out: list[str] = []
+    for text in compute:
+        parts = compute_parts(text)
+        recvs, sends = [], []
+        for p in parts:
+            if p.kind == "W":
+                continue
+            peer_in, peer_out = (p.stage - 1, p.stage + 1) if p.kind == "F" else (p.stage + 1, p.stage - 1)
+            here = stage_rank(p.stage, pp=pp, placement=placement)
+            d = "F" if p.kind == "F" else "B"
+            if 0 <= peer_in < num_stages and stage_rank(peer_in, pp=pp, placement=placement) != here:
+                recvs.append(f"{p.stage}RECV_{d}{p.microbatch}")
+            if 0 <= peer_out < num_stages and stage_rank(peer_out, pp=pp, placement=placement) != here:
+                sends.append(f"{p.stage}SEND_{d}{p.microbatch}")
+        out += recvs + [text] + sends
     return tuple(out)
+
+
+def build_actions(kind: ScheduleKind, *, pp: int, vpp: int, num_microbatches: int,
+                  fb: bool = False) -> tuple[tuple[str, ...], ...]:
+    """Per-rank action lists (compute and p2p) of schedule ``kind`` (module docstring). Raises LayoutError when the
+    schedule does not fit the layout (:func:`schedule_fits`) or a count is < 1."""
+    _check_counts(pp=pp, vpp=vpp, num_microbatches=num_microbatches)
+    rule = schedule_fits(kind, pp=pp, vpp=vpp, num_microbatches=num_microbatches)
+    if rule is not None:
+        raise LayoutError(f"schedule={kind!r}: {rule}")
+    m, extra = num_microbatches, int(fb)
+    if kind == "1f1b":
+        compute = [_texts(_one_f_one_b_compute(pp, m, r, extra)) for r in range(pp)]
+    elif kind == "interleaved":
+        compute = [_texts(_interleaved_compute(pp, vpp, m, r, extra)) for r in range(pp)]
+    else:
+        compute = [list(r) for r in torch_compute_order(kind, pp, vpp, m)]
+    if kind in ("1f1b", "interleaved") and fb:
+        compute = [pair_fb(c) for c in compute]
+    elif kind == "dualpipev" and not fb:
+        compute = [split_fb(c) for c in compute]
+    placement = placement_of(kind)
+    return tuple(with_comms(c, pp=pp, num_stages=pp * vpp, placement=placement) for c in compute)
 
 
 def one_f_one_b(pp: int, num_microbatches: int) -> tuple[tuple[str, ...], ...]:
     """1F1B action lists, one tuple per PP rank, compute and p2p actions. Raises LayoutError on counts < 1."""
-    _check_counts(pp=pp, num_microbatches=num_microbatches)
-    return tuple(_with_comms(_one_f_one_b_compute(pp, num_microbatches, r), pp, pp) for r in range(pp))
+    return build_actions("1f1b", pp=pp, vpp=1, num_microbatches=num_microbatches)
 
 
 def interleaved_1f1b(pp: int, vpp: int, num_microbatches: int) -> tuple[tuple[str, ...], ...]:
-    """Interleaved 1F1B action lists (stage = chunk·pp + rank), one tuple per PP rank.
-
-    Raises LayoutError unless pp ≥ 2, vpp ≥ 2 (use ``one_f_one_b`` for vpp = 1) and ``num_microbatches`` is a
-    multiple of pp (Megatron-LM's rule; FACTS §4.3 bubble ((p−1)/v)/(m + (p−1)/v) holds under it).
-    """
-    _check_counts(pp=pp, vpp=vpp, num_microbatches=num_microbatches)
-    if pp < 2 or vpp < 2:
-        raise LayoutError(f"pp={pp}, vpp={vpp}: interleaved 1F1B needs pp >= 2 and vpp >= 2")
-    if num_microbatches % pp:
-        raise LayoutError(f"num_microbatches={num_microbatches}: interleaved 1F1B needs a multiple of pp ({pp})")
-    return tuple(_with_comms(_interleaved_compute(pp, vpp, num_microbatches, r), pp, pp * vpp) for r in range(pp))
-
-
-def build_actions(*, pp: int, vpp: int, num_microbatches: int) -> tuple[tuple[str, ...], ...]:
-    """The default schedule of a layout: interleaved 1F1B when vpp > 1, else 1F1B (errors as theirs)."""
-    if vpp > 1:
-        return interleaved_1f1b(pp, vpp, num_microbatches)
-    return one_f_one_b(pp, num_microbatches)
+    """Interleaved 1F1B action lists (stage = chunk·pp + rank), one tuple per PP rank. Raises LayoutError unless
+    pp ≥ 2, vpp ≥ 2 and ``num_microbatches`` is a multiple of pp (Megatron-LM's rule)."""
+    return build_actions("interleaved", pp=pp, vpp=vpp, num_microbatches=num_microbatches)
 
 
 def max_in_flight(actions: Sequence[Sequence[str]], *, pp: int) -> tuple[int, ...]:
-    """Per rank, the max over the list of (stage, micro-batch) forwards done whose backward is not yet done.
-
-    Counts +1 at F and −1 at B (at W when the backward is split into I and W, as the timeline frees activations),
-    in list order, which is time order on a rank's in-order compute stream. Activation memory of a rank is this
-    count times one chunk's activations (FACTS §4.2). Raises PlanError if ``len(actions) != pp``.
-    """
+    """Per rank, the max over the list of (stage, micro-batch) forwards done whose backward is not yet done (+1 at
+    F, −1 at B or W, in list order; an OVERLAP_F_B pair counts its F before its B). Raises PlanError if
+    ``len(actions) != pp``."""
     if len(actions) != pp:
         raise PlanError(f"actions={len(actions)} ranks: must equal pp={pp}")
     ones = defaultdict(lambda: 1.0)  # every stage's micro-batch weighs 1
     return tuple(peak_live_bytes(rank_actions, ones)[1] for rank_actions in actions)
 
 
+def in_flight_bound(kind: ScheduleKind, *, pp: int, vpp: int, num_microbatches: int, fb: bool = False) -> int:
+    """The most (stage, micro-batch) pairs any rank holds activations for under schedule ``kind`` (what
+    :func:`max_in_flight` walks from the actions, in closed form for the layout search): 1F1B ``pp``; interleaved
+    rank 0's warm-up ``2(pp − 1) + (vpp − 1)·pp`` forwards plus the one it runs before its first backward
+    (Megatron-LM ``get_num_warmup_microbatches``); torch's interleaved zero-bubble and ZB-V ``pp·vpp``; DualPipeV
+    ``2·pp + 1``; at most every chunk of every micro-batch, and one more with ``fb`` pairs on the schedules
+    that add a warm-up forward for them (tests/test_schedule.py checks it against the built lists)."""
+    m = num_microbatches
+    if kind == "1f1b":
+        n = min(pp, m)
+    elif kind == "interleaved":
+        n = min(2 * (pp - 1) + (vpp - 1) * pp + 1, m * vpp)
+    elif kind == "dualpipev":
+        n = min(2 * pp + 1, m * vpp)
+    else:
+        n = min(pp * vpp, m * vpp)
+    return n + (1 if fb and kind in ("1f1b", "interleaved") else 0)
+
+
 @dataclass(frozen=True)
 class SchedulePass:
-    """Build the per-rank action lists of the layout's pipeline schedule."""
+    """Build the per-rank action lists of the strategy's schedule on the stage plan's placement."""
 
     name: ClassVar[str] = "schedule"
     requires: ClassVar[tuple[str, ...]] = ("stages",)
     provides: ClassVar[tuple[str, ...]] = ("schedule",)
 
-    kind: Literal["auto", "1f1b", "interleaved-1f1b"] = "auto"
-    """Schedule to build: ``auto`` is interleaved-1f1b when vpp > 1, else 1f1b."""
-
     def run(self, state: PlanState) -> PlanState:
-        """Raise LayoutError if the kind does not fit the layout's vpp, PlanError if stages disagree with it."""
-        lay = state.layout
-        if state.stages is None or (state.stages.pp, state.stages.vpp) != (lay.pp, lay.vpp):
-            raise PlanError(f"stages={None if state.stages is None else (state.stages.pp, state.stages.vpp)}: "
-                            f"must be a (pp, vpp) = {(lay.pp, lay.vpp)} stage plan")
-        kind = self.kind if self.kind != "auto" else ("interleaved-1f1b" if lay.vpp > 1 else "1f1b")
-        if kind == "1f1b":
-            if lay.vpp != 1:
-                raise LayoutError(f"vpp={lay.vpp}: schedule 1f1b runs one chunk per rank (vpp=1)")
-            actions = one_f_one_b(lay.pp, lay.num_microbatches)
-        else:
-            actions = interleaved_1f1b(lay.pp, lay.vpp, lay.num_microbatches)
+        """Raise LayoutError if the schedule does not fit the layout, PlanError if the stages disagree with it."""
+        lay, kind = state.layout, state.strategy.schedule
+        stages = state.stages
+        if stages is None or (stages.pp, stages.vpp) != (lay.pp, lay.vpp):
+            raise PlanError(f"stages={None if stages is None else (stages.pp, stages.vpp)}: must be a (pp, vpp) = "
+                            f"{(lay.pp, lay.vpp)} stage plan")
+        if stages.placement != placement_of(kind):
+            raise PlanError(f"stages.placement={stages.placement!r}: schedule {kind!r} places stages "
+                            f"{placement_of(kind)!r}")
+        actions = build_actions(kind, pp=lay.pp, vpp=lay.vpp, num_microbatches=lay.num_microbatches,
+                                fb="fb" in state.strategy.overlap)
         return state.with_(schedule=Schedule(kind=kind, actions=actions))

@@ -1,37 +1,49 @@
-"""Pass ``simulate``: predict the step from the schedule with the timeline simulator (DESIGN §5 "timeline").
+"""Pass ``simulate``: predict the step from the schedule with the timeline simulator (DESIGN §5 "timeline";
+docs/step-model.md).
 
-Per pipeline stage it sums its layers' forward and backward times, in-layer communication (serialised on the
-compute stream in v1: no overlap yet) and the recompute the memory plan chose, then simulates one PP group's action
-lists. After the pipeline drains, the distributed optimizer's gradient reduce-scatter and parameter all-gather
-(dense over dp·cp with stride tp, experts over expert-DP) and the Adam update run exposed — overlap with backward is
-a later issue. The optimizer update is memory-bound: about 30 bytes moved per locally owned parameter (fp32 grad,
-main weight, m, v read; main, m, v, bf16 weight written; twice that when the target trains in fp32). The global
-gradient norm for clipping is one small all-reduce over every rank of the step (Megatron-LM
-``clip_grad_norm_fp32``; moeplan's runtime likewise) whenever there is more than one device.
+Per pipeline stage it concatenates its layers' programs (cost_models/layer_program.py) into a
+:class:`~moeplan.cost_models.timeline.StageProgram`, with the recompute the memory plan chose: under ``full``
+recompute each layer's forward (its collectives included) runs again right before its backward; under
+``selective`` its norms, activation functions and core attention do (one compute segment). It then simulates one
+PP group's action lists with the strategy's overlap mechanisms, the target's compute slow-down under
+communication and its host launch costs.
+
+Data parallelism (the distributed optimizer, ZeRO-1): per PP rank and chunk, a reduce-scatter of the fp32 gradients
+and an all-gather of the bf16 parameters, dense parameters over dp·cp ranks (stride tp) and routed experts over
+expert-DP (stride tp·ep). Without mechanism ``dp`` they run after the rank's last backward, exposed. With ``dp``
+(Megatron-LM ``--overlap-grad-reduce --overlap-param-gather``) a chunk's reduce-scatter starts when its last
+backward ends and the all-gathers start with the step (gathering the next step's parameters while forwards run);
+both use only the time their link tier is idle (the in-layer and p2p transfers go first), so what does not fit
+runs after the rank's last backward; a chunk's first forward also waits for the all-gather of its first bucket
+(``BUCKET_PARAMS``). Then the Adam update, memory-bound: about 30 bytes moved per locally owned parameter (fp32
+grad, main weight, m, v read; main, m, v, bf16 weight written; twice that when the target trains in fp32), and the
+global gradient norm for clipping, one small all-reduce over every rank of the step (Megatron-LM
+``clip_grad_norm_fp32``; moeplan's runtime likewise).
 
 On an eager runtime (``target.launch.granularity == "kernel"``, the cpu emulator) the optimizer is a few hundred
 small kernels, which dominate at tiny-model sizes: moeplan's runtime (moeplan/runtime/optimizer.py,
 ``DistributedAdamW``) flattens each local parameter's gradient into a flat buffer and copies each updated shard back
 (``OPTIMIZER_KERNELS_PER_TENSOR`` aten ops per parameter tensor: reshape, slice, view, copy_), and per flat buffer
-(dense/expert × decay/no-decay, each its own reduce-scatter and all-gather) runs the concatenation, scaling, the squared-norm terms and single-tensor AdamW
-(``OPTIMIZER_KERNELS_PER_BUFFER``, counted from that code), each at ``launch.forward_kernel_s``.
+(dense/expert × decay/no-decay, each its own reduce-scatter and all-gather) runs the concatenation, scaling, the
+squared-norm terms and single-tensor AdamW (``OPTIMIZER_KERNELS_PER_BUFFER``, counted from that code), each at
+``launch.forward_kernel_s``.
 
 MFU uses Megatron-LM's causal model FLOPs without MTP (FACTS §4.1): flops_per_token · tokens / (step · devices ·
-peak). HFU counts what the devices execute: traced forward + backward FLOPs of every layer (MTP and router included)
-plus recompute.
+bf16 peak). HFU counts what the devices execute: traced forward + backward FLOPs of every layer (MTP and router
+included) plus recompute.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, replace
+from typing import ClassVar, Mapping, Sequence
 
 from moeplan.cost_models.comm import collective_time_s, group_tier
 from moeplan.cost_models.memory import GRAD_BYTES, PARAM_BYTES
-from moeplan.cost_models.timeline import StageCost, simulate
+from moeplan.cost_models.timeline import RunSettings, StageProgram, Timeline, compact, concat_segments, simulate
 from moeplan.flops import flops_per_token
 from moeplan.ir import kind_of
 from moeplan.passes.plan_memory import saved_bytes
-from moeplan.state import LayerCost, PlanState, Prediction, Recompute
+from moeplan.state import LayerCost, PlanState, Prediction, Recompute, Segment
 from moeplan.targets import Target
 
 ADAM_BYTES_PER_PARAM = 30
@@ -39,9 +51,10 @@ OPTIMIZER_KERNELS_PER_TENSOR = 4
 OPTIMIZER_BUFFERS = 4
 OPTIMIZER_KERNELS_PER_BUFFER = 25
 NORM_BYTES = 8  # the float64 squared norm all-reduced for clipping
+BUCKET_PARAMS = 40_000_000  # Megatron-LM DDP bucket: max(40M, 1M·dp) parameters (distributed_data_parallel_config)
 
 
-def _recompute(cost: LayerCost, mode: Recompute) -> tuple[float, float]:
+def recompute_work(cost: LayerCost, mode: Recompute) -> tuple[float, float]:
     """(seconds, FLOPs) of forward work redone in backward under ``mode``."""
     if mode == "selective":
         return cost.recompute_selective_s, cost.recompute_selective_flops
@@ -50,21 +63,156 @@ def _recompute(cost: LayerCost, mode: Recompute) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def stage_cost(layer_costs: list[LayerCost], mode: Recompute, activation_bytes: float) -> tuple[StageCost, float]:
-    """StageCost of one pipeline stage for one micro-batch, and the FLOPs it executes (with recompute)."""
-    fwd = sum(c.fwd_s + c.comm_s("fwd") for c in layer_costs)
-    rec = [_recompute(c, mode) for c in layer_costs]
-    bwd_in = sum(c.bwd_input_s + c.comm_s("bwd") for c in layer_costs) + sum(s for s, _ in rec)
-    bwd_w = sum(c.bwd_weight_s for c in layer_costs)
-    fwd_comm: dict[str, float] = {}
-    bwd_comm: dict[str, float] = {}
-    for c in layer_costs:
-        for op in c.comm:
-            d = fwd_comm if op.phase == "fwd" else bwd_comm
-            d[op.comm_class] = d.get(op.comm_class, 0.0) + op.time_s
-    flops = sum(c.executed_flops for c in layer_costs) + sum(f for _, f in rec)
-    return StageCost(forward_s=fwd, backward_s=bwd_in + bwd_w, backward_input_s=bwd_in, backward_weight_s=bwd_w,
-                     activation_bytes=activation_bytes, fwd_comm_s=fwd_comm, bwd_comm_s=bwd_comm), flops
+def _redo(cost: LayerCost, mode: Recompute) -> tuple[Segment, ...]:
+    """What ``mode`` recomputes of a layer before its backward."""
+    if mode == "full":
+        return cost.program.fwd
+    if mode == "selective" and cost.recompute_selective_s > 0:
+        return (Segment("recompute", "compute", cost.recompute_selective_s, kernels=1),)
+    return ()
+
+
+def _layer_backward(cost: LayerCost, mode: Recompute, *, weight: bool) -> tuple[Segment, ...]:
+    """A layer's dX segments, preceded by its recompute, and (``weight``) each dW segment right after the last dX
+    segment it needs (autograd computes a weight's gradient where it meets the op)."""
+    redo = _redo(cost, mode)
+    dx = concat_segments([redo, cost.program.bwd_input]) if redo else cost.program.bwd_input
+    if not weight:
+        return dx
+    shift = len(dx) - len(cost.program.bwd_input)
+    weights = [replace(s, after=tuple(i + shift for i in s.after)) for s in cost.program.bwd_weight]
+    at: dict[int, list[Segment]] = {}
+    for w in weights:
+        at.setdefault(max(w.after, default=len(dx) - 1), []).append(w)
+    new_index, out = {}, []
+    for i, s in enumerate(dx):
+        new_index[i] = len(out)
+        out.append(s)
+        out += at.get(i, [])
+    return tuple(replace(s, after=tuple(new_index[j] for j in s.after)) for s in out)
+
+
+def _one_segment(segs: Sequence[Segment]) -> tuple[Segment, ...]:
+    """A separate W action's weight gradients as one compute segment (they need nothing but their I)."""
+    if not segs:
+        return ()
+    return (Segment("weight_grad", "compute", sum(s.seconds for s in segs), kernels=sum(s.kernels for s in segs)),)
+
+
+def stage_program(layer_costs: Sequence[LayerCost], mode: Recompute, activation_bytes: float) -> StageProgram:
+    """One stage's program: forward in layer order, the backward passes in reverse layer order (module
+    docstring)."""
+    back = list(reversed(layer_costs))
+    return StageProgram(fwd=compact(concat_segments([c.program.fwd for c in layer_costs])),
+                        bwd_input=compact(concat_segments([_layer_backward(c, mode, weight=False) for c in back])),
+                        bwd_weight=_one_segment(concat_segments([c.program.weight_alone for c in back])),
+                        backward=compact(concat_segments([_layer_backward(c, mode, weight=True) for c in back])),
+                        activation_bytes=activation_bytes)
+
+
+def run_settings(state: PlanState) -> RunSettings:
+    """The PP link and what runs beside compute, from the sharding, the strategy and the target."""
+    assert state.sharding is not None
+    tgt, p2p = state.target, state.sharding.p2p
+    host = tgt.launch.granularity == "op"
+    return RunSettings(p2p_s=p2p.time_s, p2p_tier=p2p.tier, p2p_bytes=p2p.bytes if p2p.time_s else 0.0,
+                       mechanisms=frozenset(state.strategy.overlap),
+                       compute_slowdown=tgt.comm_compute_slowdown,
+                       host_launch_s=tgt.launch.host_launch_s if host else 0.0,
+                       host_sync_s=tgt.launch.host_sync_s if host else 0.0)
+
+
+@dataclass(frozen=True)
+class DpCollective:
+    """One DP collective of one chunk of one rank: seconds, link tier, bytes sent on it, and the seconds of the
+    all-gather of its first bucket (the part a forward cannot start without)."""
+
+    kind: str
+    stage: int
+    time_s: float
+    tier: str
+    wire_bytes: float
+    first_bucket_s: float = 0.0
+
+
+def dp_collectives(state: PlanState, rank: int) -> list[DpCollective]:
+    """Reduce-scatters and all-gathers of one PP rank's chunks (module docstring)."""
+    lay, tgt, spec = state.layout, state.target, state.graph.spec
+    assert state.sharding is not None and state.stages is not None
+    costs, out = state.sharding.layer_costs, []
+    param_bytes = PARAM_BYTES * tgt.dtype_bytes / 2
+    for c, names in enumerate(state.stages.chunks[rank]):
+        stage = state.stages.stage_of(rank, c)
+        lcs = [costs[kind_of(spec, x)] for x in names]
+        dense = sum(x.params - x.expert_params for x in lcs)
+        expert = sum(x.expert_params for x in lcs)
+        for params, group, stride in ((dense, lay.dp * lay.cp, lay.tp), (expert, lay.expert_dp, lay.tp * lay.ep)):
+            if params == 0 or group == 1:
+                continue
+            rs, ag, tier = dp_sync_s(params, group=group, stride=stride, target=tgt)
+            bucket = min(params, BUCKET_PARAMS)
+            first = collective_time_s(kind="all_gather", bytes=int(bucket * param_bytes / group), group_size=group,
+                                      tier=tier, target=tgt)
+            out.append(DpCollective("reduce_scatter", stage, rs, tier, params * GRAD_BYTES * (group - 1) / group))
+            out.append(DpCollective("all_gather", stage, ag, tier, params * param_bytes * (group - 1) / group, first))
+    return out
+
+
+def dp_sync_s(params: float, *, group: int, stride: int, target: Target) -> tuple[float, float, str]:
+    """(reduce-scatter seconds, all-gather seconds, link tier) of ``params`` parameters over a DP group of
+    ``group`` ranks ``stride`` apart: the fp32 gradients reduce-scattered, the updated weights (the training
+    dtype) all-gathered, in :func:`_buffers_per_class` buffers each (module docstring)."""
+    n = _buffers_per_class(target)
+    tier = group_tier(stride=stride, group_size=group, devices_per_node=target.devices_per_node)
+    rs = n * collective_time_s(kind="reduce_scatter", bytes=int(params * GRAD_BYTES / n), group_size=group,
+                               tier=tier, target=target)
+    ag = n * collective_time_s(kind="all_gather", bytes=int(params * PARAM_BYTES * target.dtype_bytes / 2
+                                                                 / (group * n)),
+                               group_size=group, tier=tier, target=target)
+    return rs, ag, tier
+
+
+def adam_s(owned_params: float, target: Target) -> float:
+    """Seconds of the memory-bound Adam update of ``owned_params`` parameters (module docstring)."""
+    return owned_params * ADAM_BYTES_PER_PARAM * target.dtype_bytes / 2 / (target.hbm_bandwidth_bytes_per_s
+                                                                            * target.efficiency.memory)
+
+
+def _fill(start: float, need: float, busy: Sequence[tuple[float, float]]) -> float:
+    """End time of ``need`` seconds of work that starts at ``start`` and uses only the gaps between ``busy``
+    intervals (sorted, non-overlapping)."""
+    t = start
+    for a, b in busy:
+        if b <= t:
+            continue
+        if a > t:
+            gap = a - t
+            if gap >= need:
+                return t + need
+            need -= gap
+        t = max(t, b)
+    return t + need
+
+
+def dp_exposure(ops: Sequence[DpCollective], *, tl: Timeline, rank: int, overlap: bool) -> tuple[float, float]:
+    """(seconds the DP collectives add after the rank's last backward, seconds its first forward waits for
+    parameters) for one rank (module docstring)."""
+    end = tl.rank_end_s[rank]
+    if not overlap:
+        return sum(o.time_s for o in ops), 0.0
+    busy = {t: sorted(v) for t, v in tl.tier_busy[rank].items()}
+    free = {t: 0.0 for t in busy}
+    wait = 0.0
+    for o in sorted((o for o in ops if o.kind == "all_gather"), key=lambda o: tl.first_forward_s[rank].get(o.stage,
+                                                                                                           0.0)):
+        first_f = tl.first_forward_s[rank].get(o.stage, 0.0)
+        wait = max(wait, _fill(free[o.tier], o.first_bucket_s, busy[o.tier]) - first_f)
+        free[o.tier] = _fill(free[o.tier], o.time_s, busy[o.tier])
+    for o in sorted((o for o in ops if o.kind == "reduce_scatter"),
+                    key=lambda o: tl.last_backward_end_s[rank].get(o.stage, end)):
+        ready = max(free[o.tier], tl.last_backward_end_s[rank].get(o.stage, end))
+        free[o.tier] = _fill(ready, o.time_s, busy[o.tier])
+    return max([0.0] + [f - end for f in free.values()]), max(0.0, wait)
 
 
 def _buffers_per_class(target: Target) -> int:
@@ -84,6 +232,21 @@ def _optimizer_launch_s(state: PlanState, names: list[str]) -> float:
     return kernels * tgt.launch.forward_kernel_s
 
 
+def optimizer_s(state: PlanState, rank: int) -> float:
+    """Adam update and the clipping norm's all-reduce on one device of PP rank ``rank`` (module docstring)."""
+    lay, tgt, spec = state.layout, state.target, state.graph.spec
+    assert state.sharding is not None and state.stages is not None
+    names = [n for chunk in state.stages.chunks[rank] for n in chunk]
+    lcs = [state.sharding.layer_costs[kind_of(spec, n)] for n in names]
+    dense = sum(c.params - c.expert_params for c in lcs)
+    expert = sum(c.expert_params for c in lcs)
+    t = 0.0
+    if lay.world_size > 1:
+        tier = group_tier(stride=1, group_size=lay.world_size, devices_per_node=tgt.devices_per_node)
+        t += collective_time_s(kind="all_reduce", bytes=NORM_BYTES, group_size=lay.world_size, tier=tier, target=tgt)
+    return t + adam_s(dense / (lay.dp * lay.cp) + expert / lay.expert_dp, tgt) + _optimizer_launch_s(state, names)
+
+
 @dataclass(frozen=True)
 class SimulatePass:
     """Simulate one PP group's step and fill ``prediction``."""
@@ -96,57 +259,50 @@ class SimulatePass:
         assert state.sharding and state.stages and state.memory and state.schedule
         lay, spec, tgt = state.layout, state.graph.spec, state.target
         costs = state.sharding.layer_costs
-        stage_costs: list[StageCost] = [None] * (lay.pp * lay.vpp)  # type: ignore[list-item]
+        programs: list[StageProgram] = [None] * (lay.pp * lay.vpp)  # type: ignore[list-item]
         flops_per_mb = [0.0] * lay.pp
         for r in range(lay.pp):
             mode = state.memory.stages[r].recompute
             for c, names in enumerate(state.stages.chunks[r]):
                 lcs = [costs[kind_of(spec, n)] for n in names]
-                sc, fl = stage_cost(lcs, mode, sum(saved_bytes(x, mode) for x in lcs))
-                stage_costs[c * lay.pp + r] = sc
-                flops_per_mb[r] += fl
-        tl = simulate(actions=state.schedule.actions, stage_costs=stage_costs, p2p_s=state.sharding.p2p.time_s)
-        dp_s = [self._dp_tail_s(state, r) for r in range(lay.pp)]
-        step = max(tl.step_time_s, max(t + tail for t, tail in zip(tl.rank_end_s, dp_s)))
+                programs[state.stages.stage_of(r, c)] = stage_program(lcs, mode, sum(saved_bytes(x, mode) for x in lcs))
+                flops_per_mb[r] += sum(x.executed_flops + recompute_work(x, mode)[1] for x in lcs)
+        tl = simulate(state.schedule.actions, stages=programs, settings=run_settings(state))
+        overlap = "dp" in state.strategy.overlap
+        dp = [dp_collectives(state, r) for r in range(lay.pp)]
+        exposure = [dp_exposure(dp[r], tl=tl, rank=r, overlap=overlap) for r in range(lay.pp)]
+        opt = [optimizer_s(state, r) for r in range(lay.pp)]
+        rank_step = [tl.rank_end_s[r] + exposure[r][0] + exposure[r][1] + opt[r] for r in range(lay.pp)]
+        step = max(max(rank_step), tl.step_time_s + max(w for _, w in exposure))
         tokens = lay.global_batch * lay.seq_len
         peak = tgt.cube_flops
         model_flops = flops_per_token(spec, seq_len=lay.seq_len) * tokens
         executed = sum(flops_per_mb) * lay.num_microbatches * lay.tp * lay.cp * lay.dp
-        exposed = dict(tl.exposed_comm_s)
-        exposed["dp"] = max(dp_s)
-        exposed["pp"] = exposed.get("pp", 0.0)
+        comm = _comm_summary(tl, dp, exposure, opt, lay.pp)
         pred = Prediction(
             step_time_s=step, tokens_per_s=tokens / step, mfu=model_flops / (step * lay.world_size * peak),
             hfu=executed / (step * lay.world_size * peak), bubble=tl.bubble,
-            peak_memory_bytes=tuple(m.total_bytes for m in state.memory.stages), exposed_comm_s=exposed,
-            model_flops_per_step=model_flops)
+            peak_memory_bytes=tuple(m.total_bytes for m in state.memory.stages),
+            exposed_comm_s={c: v["exposed_s"] for c, v in comm.items()}, model_flops_per_step=model_flops,
+            comm=comm, host_wait_s=sum(tl.host_wait_s) / lay.pp, optimizer_s=max(opt))
         return state.with_(prediction=pred)
 
-    @staticmethod
-    def _dp_tail_s(state: PlanState, rank: int) -> float:
-        """Gradient reduce-scatter + parameter all-gather + Adam update after the last backward of ``rank``."""
-        lay, tgt, spec = state.layout, state.target, state.graph.spec
-        costs = state.sharding.layer_costs  # type: ignore[union-attr]
-        names = [n for chunk in state.stages.chunks[rank] for n in chunk]  # type: ignore[union-attr]
-        layer_costs = [costs[kind_of(spec, n)] for n in names]
-        dense = sum(c.params - c.expert_params for c in layer_costs)
-        expert = sum(c.expert_params for c in layer_costs)
-        t = 0.0
-        for params, group, stride in ((dense, lay.dp * lay.cp, lay.tp), (expert, lay.expert_dp, lay.tp * lay.ep)):
-            if params == 0 or group == 1:
-                continue
-            tier = group_tier(stride=stride, group_size=group, devices_per_node=tgt.devices_per_node)
-            n = _buffers_per_class(tgt)
-            param_bytes = PARAM_BYTES * tgt.dtype_bytes / 2
-            t += n * collective_time_s(kind="reduce_scatter", bytes=int(params * GRAD_BYTES / n), group_size=group,
-                                       tier=tier, target=tgt)
-            t += n * collective_time_s(kind="all_gather", bytes=int(params * param_bytes / (group * n)),
-                                       group_size=group, tier=tier, target=tgt)
-        if lay.world_size > 1:
-            tier = group_tier(stride=1, group_size=lay.world_size, devices_per_node=tgt.devices_per_node)
-            t += collective_time_s(kind="all_reduce", bytes=NORM_BYTES, group_size=lay.world_size, tier=tier,
-                                   target=tgt)
-        owned = dense / (lay.dp * lay.cp) + expert / lay.expert_dp
-        adam_bytes = owned * ADAM_BYTES_PER_PARAM * tgt.dtype_bytes / 2
-        return t + adam_bytes / (tgt.hbm_bandwidth_bytes_per_s * tgt.efficiency.memory) + _optimizer_launch_s(
-            state, names)
+
+def _comm_summary(tl: Timeline, dp: Sequence[Sequence[DpCollective]], exposure: Sequence[tuple[float, float]],
+                  opt: Sequence[float], pp: int) -> dict[str, dict[str, float | None]]:
+    """Per comm class, averaged over PP ranks: total and exposed seconds and overlap rate over the step and in the
+    steady state, and bytes per tier; ``dp`` from the DP collectives (exposed: what they add to the step)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for cls, s in tl.comm.items():
+        out[cls] = {"total_s": s.total_s, "exposed_s": s.exposed_s, "overlap_rate": s.overlap_rate,
+                    "steady_total_s": s.steady_total_s, "steady_exposed_s": s.steady_exposed_s,
+                    "steady_overlap_rate": s.steady_overlap_rate, "intra_bytes": s.intra_bytes,
+                    "inter_bytes": s.inter_bytes}
+    total = sum(o.time_s for ops in dp for o in ops) / pp
+    exposed = sum(a + b for a, b in exposure) / pp
+    out["dp"] = {"total_s": total, "exposed_s": exposed,
+                 "overlap_rate": 1 - exposed / total if total > 0 else None,
+                 "steady_total_s": 0.0, "steady_exposed_s": 0.0, "steady_overlap_rate": None,
+                 "intra_bytes": sum(o.wire_bytes for ops in dp for o in ops if o.tier == "intra") / pp,
+                 "inter_bytes": sum(o.wire_bytes for ops in dp for o in ops if o.tier == "inter") / pp}
+    return out

@@ -2,6 +2,7 @@
 import pytest
 
 from moeplan.compiler import parse_pipeline, run_pipeline
+from moeplan.cost_models.timeline import RunSettings
 from moeplan.errors import InfeasibleError, PlanError
 from moeplan.flops import flops_per_token
 from moeplan.ir import LayerKind, named_layers
@@ -9,10 +10,10 @@ from moeplan.layout import Layout
 from moeplan.passes.partition_stages import PartitionStagesPass, piece_time_s
 from moeplan.passes.place_experts import PlaceExpertsPass
 from moeplan.passes.plan_memory import PlanMemoryPass
+from moeplan.passes.schedule import SchedulePass
 from moeplan.passes.shard import ShardPass, op_scale
-from moeplan.passes.simulate import SimulatePass
 from moeplan.spec import load_spec
-from moeplan.state import PlanState
+from moeplan.state import PlanState, Strategy
 from moeplan.targets import load_target
 from moeplan.trace import trace_model
 
@@ -56,9 +57,17 @@ def test_shard_scales_work_and_inserts_collectives():
 def test_shard_ep_dispatch_combine_and_params():
     st = ShardPass().run(state(dp=2, ep=2)).sharding.layer_costs[LayerKind.MOE]
     a2a = [c for c in st.comm if c.kind == "all_to_all"]
-    assert len(a2a) == 5 and all(c.group_size == 2 for c in a2a)  # dispatch + combine, fwd and bwd; counts
-    assert a2a[-1].phase == "fwd" and a2a[-1].bytes == 8 * SPEC.num_experts  # int64 count per expert
-    assert a2a[0].bytes == 64 * SPEC.hidden_size * CPU.dtype_bytes * SPEC.top_k
+    assert len(a2a) == 5 and all(c.group_size == 2 for c in a2a)  # counts; dispatch + combine, fwd and bwd
+    assert a2a[0].phase == "fwd" and a2a[0].bytes == 8 * SPEC.num_experts  # int64 count per expert
+    assert a2a[1].bytes == 64 * SPEC.hidden_size * CPU.dtype_bytes * SPEC.top_k
+    # the program: router → counts (the host waits) → dispatch → experts → combine → unpermute, in that order
+    names = [s.name for s in st.program.fwd]
+    assert names.index("route") < names.index("ep_counts") < names.index("dispatch") < names.index("experts") \
+        < names.index("combine") < names.index("unpermute")
+    counts = st.program.fwd[names.index("ep_counts")]
+    assert counts.host_sync and st.program.fwd[names.index("dispatch")].async_by == "shared-expert"
+    experts = st.program.fwd[names.index("experts")]
+    assert names.index("dispatch") in experts.after
     lg = GRAPH.layer(LayerKind.MOE)
     assert st.expert_params == lg.expert_param_count // 2
     assert st.params == lg.param_count - lg.expert_param_count + lg.expert_param_count // 2
@@ -72,7 +81,8 @@ def test_partition_places_every_layer_once_in_order():
     times = [t for r in plan.chunk_time_s for t in r]
     assert plan.imbalance == pytest.approx(max(times) / (sum(times) / len(times)) - 1)
     costs = s.sharding.layer_costs
-    stage0 = sum(piece_time_s(costs[k]) for n, k in named_layers(SPEC) if n in plan.stage_layers(0))
+    settings = RunSettings(mechanisms=frozenset())  # the state's strategy overlaps nothing
+    stage0 = sum(piece_time_s(costs[k], settings) for n, k in named_layers(SPEC) if n in plan.stage_layers(0))
     assert plan.chunk_time_s[0][0] == pytest.approx(stage0)
     assert "mtp.0 on stage" in plan.reason
 
@@ -83,13 +93,12 @@ def test_place_experts_contiguous():
 
 
 def test_plan_memory_picks_cheapest_fitting_mode():
-    base = PartitionStagesPass().run(ShardPass().run(state(pp=2)))
+    base = SchedulePass().run(PartitionStagesPass().run(ShardPass().run(state(pp=2))))
     roomy = PlanMemoryPass().run(base).memory
     assert all(m.recompute == "none" for m in roomy.stages)
     need_none = max(m.total_bytes for m in roomy.stages)
     from moeplan.passes.plan_memory import rank_memory
-    from moeplan.passes.schedule import build_actions
-    acts = build_actions(pp=2, vpp=1, num_microbatches=8)
+    acts = base.schedule.actions
     sel = max(rank_memory(base, r, "selective", acts[r]).total_bytes for r in range(2))
     fullm = max(rank_memory(base, r, "full", acts[r]).total_bytes for r in range(2))
     assert fullm < sel < need_none
@@ -100,10 +109,18 @@ def test_plan_memory_picks_cheapest_fitting_mode():
         PlanMemoryPass(budget_fraction=fullm / 4 / CPU.usable_memory_bytes).run(base)
     # in flight on rank 0 of 1F1B with 8 micro-batches and pp 2: 2 micro-batches
     assert roomy.stages[0].in_flight_microbatches == 2 and roomy.stages[1].in_flight_microbatches == 1
+    # a fixed mode is honoured, and refused with the mode named when it does not fit
+    fixed = PlanMemoryPass().run(base.with_(strategy=Strategy(recompute="full"))).memory
+    assert {m.recompute for m in fixed.stages} == {"full"}
+    with pytest.raises(InfeasibleError, match="with recompute 'none'"):
+        PlanMemoryPass(budget_fraction=budget_frac).run(base.with_(strategy=Strategy(recompute="none")))
+    loose = PlanMemoryPass(budget_fraction=budget_frac, enforce=False).run(base.with_(strategy=Strategy(
+        recompute="none"))).memory  # priced anyway, the excess visible
+    assert max(m.total_bytes for m in loose.stages) > loose.budget_bytes
 
 
 def test_simulate_prediction_consistent():
-    passes = tuple(c() for c in parse_pipeline("shard,partition-stages,place-experts,plan-memory,schedule,simulate"))
+    passes = parse_pipeline("shard,partition-stages,place-experts,schedule,plan-memory,simulate")
     s, timings = run_pipeline(state(pp=2, dp=2, ep=2, global_batch=8), passes)
     p = s.prediction
     tokens = 8 * 64
@@ -111,6 +128,10 @@ def test_simulate_prediction_consistent():
     assert p.mfu == pytest.approx(flops_per_token(SPEC, seq_len=64) * tokens / (p.step_time_s * 4 * CPU.cube_flops))
     assert 0 < p.bubble < 1 and p.hfu > p.mfu  # HFU counts MTP, router and recompute
     assert [t.name for t in timings] == [c.name for c in passes]
+    comm = p.comm
+    assert set(comm) >= {"ep", "pp", "dp"} and comm["ep"]["total_s"] > 0
+    assert comm["ep"]["overlap_rate"] == pytest.approx(1 - comm["ep"]["exposed_s"] / comm["ep"]["total_s"])
+    assert p.exposed_comm_s["ep"] == comm["ep"]["exposed_s"]
 
 
 def test_pipeline_order_is_checked():
@@ -140,11 +161,10 @@ def test_simulate_optimizer_tail_on_an_eager_target():
     from moeplan.cost_models.comm import collective_time_s
     from moeplan.passes import simulate as sim
 
-    passes = tuple(c() for c in parse_pipeline("shard,partition-stages,place-experts,plan-memory,schedule"))
-    ready, _ = run_pipeline(state(pp=2), passes)
+    ready, _ = run_pipeline(state(pp=2), parse_pipeline("shard,partition-stages,place-experts,schedule,plan-memory"))
     op_target = CPU.model_copy(update=dict(launch=CPU.launch.model_copy(update=dict(granularity="op"))))
-    eager_s = SimulatePass._dp_tail_s(ready, 0)
-    op_s = SimulatePass._dp_tail_s(ready.with_(target=op_target), 0)
+    eager_s = sim.optimizer_s(ready, 0)
+    op_s = sim.optimizer_s(ready.with_(target=op_target), 0)
     names = [n for chunk in ready.stages.chunks[0] for n in chunk]
     tensors = sum(GRAPH.layer(k).param_tensor_count for n, k in named_layers(SPEC) if n in names)
     kernels = tensors * sim.OPTIMIZER_KERNELS_PER_TENSOR + sim.OPTIMIZER_BUFFERS * sim.OPTIMIZER_KERNELS_PER_BUFFER

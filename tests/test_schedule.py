@@ -7,9 +7,10 @@ from moeplan.cost_models.timeline import parse_action
 from moeplan.errors import LayoutError, PlanError
 from moeplan.ir import ModelGraph
 from moeplan.layout import Layout
-from moeplan.passes.schedule import (SchedulePass, build_actions, interleaved_1f1b, max_in_flight, one_f_one_b)
+from moeplan.passes.schedule import (SchedulePass, build_actions, in_flight_bound, interleaved_1f1b, max_in_flight,
+                                     one_f_one_b, pair_fb, placement_of, split_fb, stage_of, stage_rank)
 from moeplan.spec import load_spec
-from moeplan.state import PlanState, StagePlan
+from moeplan.state import PlanState, StagePlan, Strategy
 from moeplan.targets import load_target
 
 
@@ -100,6 +101,20 @@ def test_interleaved_first_stage_memory_factor(pp, vpp):
     assert ratio == pytest.approx(1 + (pp - 1) / (pp * vpp))
 
 
+@pytest.mark.parametrize("kind,vpps", [("1f1b", (1,)), ("interleaved", (2, 3, 4)), ("zero-bubble", (2, 4)),
+                                       ("zbv", (2,)), ("dualpipev", (2,))])
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 16), (8, 32), (16, 64)])
+def test_in_flight_bound_is_the_built_lists_peak(kind, vpps, pp, m):
+    """The layout search's closed form equals the peak walked from the built action lists, with and without fb."""
+    from moeplan.passes.schedule import schedule_fits
+    for vpp in vpps:
+        for fb in (False, True) if kind in ("1f1b", "interleaved", "dualpipev") else (False,):
+            if schedule_fits(kind, pp=pp, vpp=vpp, num_microbatches=m) is not None:
+                continue
+            built = max(max_in_flight(build_actions(kind, pp=pp, vpp=vpp, num_microbatches=m, fb=fb), pp=pp))
+            assert in_flight_bound(kind, pp=pp, vpp=vpp, num_microbatches=m, fb=fb) == built
+
+
 def test_in_flight_with_split_backward():
     """Activations are freed at W, not at I (the timeline does the same)."""
     assert max_in_flight([["0F0", "0F1", "0I0", "0F2", "0W0", "0I1", "0W1", "0I2", "0W2"]], pp=1) == (3,)
@@ -107,38 +122,76 @@ def test_in_flight_with_split_backward():
 
 
 def test_errors():
-    with pytest.raises(LayoutError, match="num_microbatches=6"):
+    with pytest.raises(LayoutError, match=r"schedule='interleaved': .*micro-batches \(6\) divisible by pp \(4\)"):
         interleaved_1f1b(4, 2, 6)
-    with pytest.raises(LayoutError, match="vpp=1"):
+    with pytest.raises(LayoutError, match="vpp >= 2"):
         interleaved_1f1b(4, 1, 8)
     with pytest.raises(LayoutError, match="pp=0"):
         one_f_one_b(0, 8)
     with pytest.raises(PlanError, match="pp=3"):
         max_in_flight(one_f_one_b(2, 2), pp=3)
-    assert build_actions(pp=4, vpp=2, num_microbatches=8) == interleaved_1f1b(4, 2, 8)
-    assert build_actions(pp=4, vpp=1, num_microbatches=8) == one_f_one_b(4, 8)
+    with pytest.raises(LayoutError, match=r"dualpipev needs at least 2·pp = 8 micro-batches"):
+        build_actions("dualpipev", pp=4, vpp=2, num_microbatches=6)
+    with pytest.raises(LayoutError, match=r"zbv places two chunks per rank"):
+        build_actions("zbv", pp=4, vpp=3, num_microbatches=8)
+    with pytest.raises(LayoutError, match=r"zero-bubble .* needs vpp >= 2"):
+        build_actions("zero-bubble", pp=4, vpp=1, num_microbatches=8)
 
 
-def make_state(pp, vpp, num_microbatches):
+@pytest.mark.parametrize("kind,vpp", [("zero-bubble", 2), ("zero-bubble", 3), ("zbv", 2), ("dualpipev", 2)])
+def test_torch_orders_with_our_comms_progress_in_torch_dry_run(kind, vpp):
+    """The compute order is torch's; the p2p we add around it passes torch's own dry run (no deadlock)."""
+    pp, m = 4, 8
+    actions = build_actions(kind, pp=pp, vpp=vpp, num_microbatches=m, fb=kind == "dualpipev")
+    placement = placement_of(kind)
+    # torch's dry run knows no OVERLAP_F_B: check the pairs as their F then their B
+    ours = {r: [_Action.from_str(a) for a in split_fb(rank)] for r, rank in enumerate(actions)}
+    torch_compute = get_schedule_ops({"zero-bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble",
+                                      "dualpipev": "DualPipeV"}[kind], pp, m, num_stages_per_rank=vpp)
+    for r, rank in enumerate(actions):
+        mine = [a for a in rank if "SEND" not in a and "RECV" not in a]
+        assert mine == [str(a) for a in torch_compute[r] if a is not None]
+    _simulate_comms_compute(ours, lambda s: stage_rank(s, pp=pp, placement=placement), pp * vpp)
+
+
+def test_v_placement():
+    assert [stage_rank(s, pp=4, placement="v") for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [stage_of(r, c, pp=4, placement="v") for r in range(4) for c in range(2)] == [0, 7, 1, 6, 2, 5, 3, 4]
+    assert placement_of("dualpipev") == placement_of("zbv") == "v" and placement_of("interleaved") == "loop"
+
+
+def test_fb_pairs_and_splits():
+    paired = pair_fb(["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3"])
+    assert paired == ["0F0", "0F1", "(0F2;0B0)OVERLAP_F_B", "(0F3;0B1)OVERLAP_F_B", "0B2", "0B3"]
+    assert split_fb(paired) == ["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3"]
+
+
+def make_state(pp, vpp, num_microbatches, schedule="1f1b"):
     spec = load_spec("tiny-pangu")
     layout = Layout(tp=1, pp=pp, vpp=vpp, ep=1, etp=1, cp=1, dp=1, micro_batch=1, global_batch=num_microbatches,
                     seq_len=64)
     chunks = tuple(tuple((f"layers.{c * pp + r}",) for c in range(vpp)) for r in range(pp))
     stages = StagePlan(chunks=chunks, chunk_time_s=tuple((1.0,) * vpp for _ in range(pp)), imbalance=0.0,
-                       empty_layers=(), reason="test")
+                       empty_layers=(), reason="test", placement=placement_of(schedule))
     graph = ModelGraph(spec=spec, seq_len=64, layers={}, layer_sequence=())  # the pass reads only layout and stages
-    return PlanState(graph=graph, target=load_target("cpu"), layout=layout, stages=stages)
+    return PlanState(graph=graph, target=load_target("cpu"), layout=layout, stages=stages,
+                     strategy=Strategy(schedule=schedule))
 
 
-def test_pass_auto_kind():
-    out = SchedulePass().run(make_state(2, 2, 4))
-    assert out.schedule.kind == "interleaved-1f1b" and out.schedule.actions == interleaved_1f1b(2, 2, 4)
+def test_pass_builds_the_strategy_schedule():
+    out = SchedulePass().run(make_state(2, 2, 4, "interleaved"))
+    assert out.schedule.kind == "interleaved" and out.schedule.actions == interleaved_1f1b(2, 2, 4)
     out = SchedulePass().run(make_state(2, 1, 3))
     assert out.schedule.kind == "1f1b" and out.schedule.actions == one_f_one_b(2, 3)
-    with pytest.raises(LayoutError, match="vpp=2"):
-        SchedulePass(kind="1f1b").run(make_state(2, 2, 4))
-    with pytest.raises(LayoutError, match="num_microbatches=3"):
-        SchedulePass(kind="interleaved-1f1b").run(make_state(2, 2, 3))
+    with pytest.raises(LayoutError, match="vpp=1"):
+        SchedulePass().run(make_state(2, 2, 4))
+    with pytest.raises(LayoutError, match=r"micro-batches \(3\)"):
+        SchedulePass().run(make_state(2, 2, 3, "interleaved"))
+    paired = SchedulePass().run(make_state(2, 2, 8, "interleaved").with_(
+        strategy=Strategy(schedule="interleaved", overlap=frozenset({"fb"}))))
+    assert any("OVERLAP_F_B" in a for rank in paired.schedule.actions for a in rank)
+    with pytest.raises(PlanError, match="placement"):
+        SchedulePass().run(make_state(2, 2, 8, "interleaved").with_(strategy=Strategy(schedule="dualpipev")))
     state = make_state(2, 2, 4)
     with pytest.raises(PlanError, match="stages"):
         SchedulePass().run(state.with_(stages=None))
