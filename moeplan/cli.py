@@ -20,6 +20,37 @@ out = Console()
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise LayoutError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
+    return value
+
+
+def strategy_options(*, schedule: str, dispatcher: str, overlap: str, recompute: str) -> dict:
+    """Fixed-choice fields of :class:`moeplan.search.Fixed` from the CLI's strings (``auto`` leaves a choice to the
+    search). Raises LayoutError naming the flag, the value and the choices."""
+    from moeplan.names import DISPATCHERS, MECHANISMS, SCHEDULES
+
+    out: dict = {"recompute": _choice("recompute", recompute, ("auto", "none", "selective", "full"))}
+    if schedule != "auto":
+        out["schedule"] = _choice("schedule", schedule, SCHEDULES + ("auto",))
+    if dispatcher != "auto":
+        out["dispatcher"] = _choice("dispatcher", dispatcher, DISPATCHERS + ("auto",))
+    if overlap != "auto":
+        names = [n.strip() for n in overlap.split(",") if n.strip()]
+        if names == ["none"]:
+            out["overlap"] = frozenset()
+        elif names == ["all"]:
+            out["overlap"] = frozenset(MECHANISMS)
+        else:
+            for n in names:
+                _choice("overlap", n, MECHANISMS + ("none", "all", "auto"))
+            if set(names) & {"none", "all", "auto"}:
+                raise LayoutError(f"overlap={overlap!r}: none, all and auto stand alone, not in a list")
+            out["overlap"] = frozenset(names)
+    return out
+
+
 def _positive(name: str, value: Optional[int]) -> Optional[int]:
     if value is not None and value < 1:
         raise LayoutError(f"{name}={value}: must be a positive integer")
@@ -39,9 +70,17 @@ def compile_cmd(
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch"),
     global_batch: Optional[int] = typer.Option(None, "--global-batch", help="sequences per step"),
     seq_len: Optional[int] = typer.Option(None, "--seq-len"),
+    schedule: str = typer.Option("auto", "--schedule", help="1f1b|interleaved|zero-bubble|zbv|dualpipev|auto"),
+    dispatcher: str = typer.Option("auto", "--dispatcher", help="EP token dispatcher: flat|hierarchical|dedup|auto"),
+    overlap: str = typer.Option("auto", "--overlap",
+                                help="comma list of shared-expert,fb,dp,pp, or none, all, auto"),
+    recompute: str = typer.Option("auto", "--recompute", help="none|selective|full|auto (per PP rank)"),
+    training_dtype: Optional[str] = typer.Option(None, "--training-dtype",
+                                                 help="bf16|fp16|fp32|fp8 (fp8: GEMMs; overrides the target)"),
     pipeline: Optional[str] = typer.Option(None, "--pipeline", help="comma-separated pass names"),
     top: int = typer.Option(1, "--top", help="print the best K layouts"),
-    candidates: int = typer.Option(16, "--candidates", help="layouts simulated with the full pipeline"),
+    candidates: int = typer.Option(4, "--candidates",
+                                   help="layouts simulated with the full pipeline (at least --top)"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary instead of tables"),
 ) -> None:
     """Compile MODEL for DEVICES devices of TARGET into a plan."""
@@ -59,19 +98,21 @@ def compile_cmd(
                     ("candidates", candidates)):
         _positive(name, v)
     spec = load_spec(model).with_shape(seq_len=seq_len, global_batch=global_batch)
-    tgt = load_target(target, devices_per_node=devices_per_node)
+    tgt = load_target(target, devices_per_node=devices_per_node, training_dtype=_choice(
+        "training_dtype", training_dtype, ("bf16", "fp16", "fp32", "fp8")) if training_dtype else None)
     fixed = Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
-                  cp=cp, micro_batch=micro_batch)
+                  cp=cp, micro_batch=micro_batch, **strategy_options(schedule=schedule, dispatcher=dispatcher,
+                                                                     overlap=overlap, recompute=recompute))
     res = compile_model(spec=spec, target=tgt, num_devices=devices, fixed=fixed,
-                        pipeline=pipeline or DEFAULT_PIPELINE, candidates=candidates)
+                        pipeline=pipeline or DEFAULT_PIPELINE, candidates=max(candidates, top))
     if output:
         save_plan(res.plan, output)
     if as_json:
         summary = {"layout": layout_dict(res.plan), "predicted": predicted_dict(res.plan),
                    "compile_s": res.compile_s, "stages": res.plan.stages.chunks,
                    "imbalance": res.plan.stages.imbalance, "stages_reason": res.plan.stages.reason,
-                   "top": [{"layout": e.state.layout.short(), "step_time_s": e.state.prediction.step_time_s}
-                           for e in res.result.ranked[:top]],
+                   "top": [{"layout": e.state.layout.short(), "strategy": e.state.strategy.short(),
+                            "step_time_s": e.state.prediction.step_time_s} for e in res.result.ranked[:top]],
                    "rejected": dict(res.result.rejected), "plan": output}
         out.print_json(json.dumps(summary))
         return
@@ -110,7 +151,8 @@ def simulate_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
     assert p is not None
     data = {"step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "hfu": p.hfu,
             "bubble": p.bubble, "peak_memory_bytes": list(p.peak_memory_bytes),
-            "exposed_comm_s": dict(p.exposed_comm_s), "saved_step_time_s": plan.prediction.step_time_s}
+            "exposed_comm_s": dict(p.exposed_comm_s), "comm": {k: dict(v) for k, v in p.comm.items()},
+            "saved_step_time_s": plan.prediction.step_time_s}
     if as_json:
         out.print_json(json.dumps(data))
         return

@@ -13,12 +13,13 @@ from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline
 from moeplan.layout import Layout
 from moeplan.passes.shard import ShardPass
 from moeplan.passes.simulate import SimulatePass
-from moeplan.plan import (SCHEMA_VERSION, Plan, PlanCollective, PlanComm, PlanExperts, PlanLayerCost, PlanLayout,
-                          PlanMemory, PlanModel, PlanPrediction, PlanProvenance, PlanRankMemory, PlanSchedule,
-                          PlanSharding, PlanStages)
+from moeplan.plan import (SCHEMA_VERSION, Plan, PlanCollective, PlanComm, PlanCommClass, PlanExperts, PlanLayerCost,
+                          PlanLayout, PlanMemory, PlanModel, PlanPrediction, PlanProvenance, PlanRankMemory,
+                          PlanSchedule, PlanSharding, PlanStages)
 from moeplan.search import Evaluated, Fixed, SearchResult, search
 from moeplan.spec import ModelSpec
-from moeplan.state import (CommOp, ExpertPlacement, MemoryPlan, PlanState, Schedule, StageMemory, StagePlan)
+from moeplan.state import (MECHANISMS, CommOp, ExpertPlacement, MemoryPlan, PlanState, Schedule, StageMemory,
+                           StagePlan, Strategy)
 from moeplan.targets import Target
 from moeplan.trace import trace_model
 
@@ -31,7 +32,7 @@ class CompileResult:
 
 
 def compile_model(*, spec: ModelSpec, target: Target, num_devices: int, fixed: Fixed,
-                  pipeline: str = DEFAULT_PIPELINE, candidates: int = 16, workers: int | None = None) -> CompileResult:
+                  pipeline: str = DEFAULT_PIPELINE, candidates: int = 4, workers: int | None = None) -> CompileResult:
     """Trace ``spec``, search layouts for ``num_devices`` devices of ``target`` and return the best plan.
 
     Raises SpecError / LayoutError / PlanError for bad input and InfeasibleError when no layout fits in memory.
@@ -49,7 +50,8 @@ def compile_model(*, spec: ModelSpec, target: Target, num_devices: int, fixed: F
 
 def _collective(c: CommOp) -> PlanCollective:
     return PlanCollective(comm_class=c.comm_class, kind=c.kind, phase=c.phase, bytes=c.bytes,
-                          group_size=c.group_size, tier=c.tier, time_s=c.time_s)
+                          group_size=c.group_size, tier=c.tier, time_s=c.time_s, wire_intra_bytes=c.wire_intra_bytes,
+                          wire_inter_bytes=c.wire_inter_bytes)
 
 
 def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: float = 0.0) -> Plan:
@@ -65,7 +67,7 @@ def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: 
                           micro_batch=lay.micro_batch, global_batch=lay.global_batch, seq_len=lay.seq_len,
                           num_devices=lay.world_size, num_microbatches=lay.num_microbatches,
                           sequence_parallel=lay.sequence_parallel, tp_extend_ep=lay.tp_extend_ep),
-        stages=PlanStages(chunks=[[list(c) for c in r] for r in st.stages.chunks],
+        stages=PlanStages(placement=st.stages.placement, chunks=[[list(c) for c in r] for r in st.stages.chunks],
                           chunk_time_s=[list(r) for r in st.stages.chunk_time_s], imbalance=st.stages.imbalance,
                           empty_layers=list(st.stages.empty_layers), reason=st.stages.reason),
         sharding=PlanSharding(
@@ -75,18 +77,21 @@ def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: 
                                            collectives=[_collective(x) for x in c.comm])
                     for k, c in st.sharding.layer_costs.items()}),
         experts=PlanExperts(shards=[list(s) for s in st.experts.shards], groups_aligned=st.experts.groups_aligned),
-        memory=PlanMemory(budget_bytes=st.memory.budget_bytes, ranks=[
+        memory=PlanMemory(budget_bytes=st.memory.budget_bytes, recompute=st.strategy.recompute, ranks=[
             PlanRankMemory(pp_rank=m.pp_rank, recompute=m.recompute, params_bytes=m.params_bytes,
                            grads_bytes=m.grads_bytes, optimizer_bytes=m.optimizer_bytes,
                            activation_bytes=m.activation_bytes, workspace_bytes=m.workspace_bytes,
                            total_bytes=m.total_bytes, in_flight_microbatches=m.in_flight_microbatches)
             for m in st.memory.stages]),
         schedule=PlanSchedule(kind=st.schedule.kind, actions=[list(a) for a in st.schedule.actions]),
-        comm=PlanComm(),
+        comm=PlanComm(dispatcher=st.strategy.dispatcher,
+                      overlap=[m for m in MECHANISMS if m in st.strategy.overlap]),
         prediction=PlanPrediction(step_time_s=pred.step_time_s, tokens_per_s=pred.tokens_per_s, mfu=pred.mfu,
                                   hfu=pred.hfu, bubble=pred.bubble, peak_memory_bytes=list(pred.peak_memory_bytes),
                                   exposed_comm_s=dict(pred.exposed_comm_s),
-                                  model_flops_per_step=pred.model_flops_per_step),
+                                  model_flops_per_step=pred.model_flops_per_step,
+                                  comm={c: PlanCommClass(**v) for c, v in pred.comm.items()},
+                                  host_wait_s=pred.host_wait_s, optimizer_s=pred.optimizer_s),
         provenance=PlanProvenance(moeplan_version=__version__, pipeline=pipeline,
                                   pass_s={"trace": trace_s, **dict(ev.pass_s)}, compile_s=compile_s))
 
@@ -97,16 +102,21 @@ def layout_of(plan: Plan) -> Layout:
                   global_batch=p.global_batch, seq_len=p.seq_len)
 
 
+def strategy_of(plan: Plan) -> Strategy:
+    return Strategy(schedule=plan.schedule.kind, dispatcher=plan.comm.dispatcher,
+                    overlap=frozenset(plan.comm.overlap), recompute=plan.memory.recompute)
+
+
 def state_from_plan(plan: Plan) -> PlanState:
     """Rebuild the plan's decisions on freshly traced and sharded costs (for re-simulation)."""
     spec = plan.model.spec
     state = PlanState(graph=trace_model(spec, seq_len=plan.layout.seq_len), target=plan.target,
-                      layout=layout_of(plan))
+                      layout=layout_of(plan), strategy=strategy_of(plan))
     state = ShardPass().run(state)
     stages = StagePlan(chunks=tuple(tuple(tuple(c) for c in r) for r in plan.stages.chunks),
                        chunk_time_s=tuple(tuple(r) for r in plan.stages.chunk_time_s),
                        imbalance=plan.stages.imbalance, empty_layers=tuple(plan.stages.empty_layers),
-                       reason=plan.stages.reason)
+                       reason=plan.stages.reason, placement=plan.stages.placement)
     memory = MemoryPlan(budget_bytes=plan.memory.budget_bytes, stages=tuple(
         StageMemory(pp_rank=m.pp_rank, recompute=m.recompute, params_bytes=m.params_bytes,
                     grads_bytes=m.grads_bytes, optimizer_bytes=m.optimizer_bytes,

@@ -1,19 +1,23 @@
 """The compiler driver: runs a pipeline of passes over a PlanState (DESIGN §4).
 
-A pipeline is data — a comma-separated list of pass names — checked for order before it runs: every decision a pass
-``requires`` must be provided by an earlier pass. The driver, not the passes, times each pass and names the pass
-that failed.
+A pipeline is data — a comma-separated list of pass names, each with options in braces as xDSL and MLIR write them
+(``shard,partition-stages{layer_layout=free},…,plan-memory{budget_fraction=0.9,enforce=false},simulate``) —
+checked for names, options and order before it runs: every decision a pass ``requires`` must be provided by an
+earlier pass. The driver, not the passes, times each pass and names the pass that failed.
 """
 from __future__ import annotations
 
+import dataclasses
+import re
 import time
+import typing
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from moeplan.errors import MoeplanError, PlanError
 from moeplan.state import PlanState
 
-DEFAULT_PIPELINE = "shard,partition-stages,place-experts,plan-memory,schedule,simulate"
+DEFAULT_PIPELINE = "shard,partition-stages,place-experts,schedule,plan-memory,simulate"
 _INITIAL = ("graph", "target", "layout")
 
 
@@ -40,22 +44,63 @@ def pass_registry() -> dict[str, type]:
     return {p.name: p for p in ALL_PASSES}
 
 
-def parse_pipeline(text: str) -> tuple[type, ...]:
-    """Parse ``"shard,partition-stages,..."`` into pass classes; raise PlanError on unknown names or bad order."""
+_ITEM = re.compile(r"\s*([\w-]+)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
+
+
+def parse_pipeline(text: str) -> tuple[Pass, ...]:
+    """Parse ``"shard,partition-stages{layer_layout=free},..."`` into configured passes; raise PlanError on an
+    unknown pass or option, a value of the wrong type, or a pass whose required decisions no earlier pass makes."""
     registry = pass_registry()
-    names = [n.strip() for n in text.split(",") if n.strip()]
     available = set(_INITIAL)
-    classes = []
-    for n in names:
-        if n not in registry:
-            raise PlanError(f"pipeline={n!r}: unknown pass; known: {', '.join(sorted(registry))}")
-        cls = registry[n]
+    passes: list[Pass] = []
+    pos, text = 0, text.strip()
+    while pos < len(text):
+        m = _ITEM.match(text, pos)
+        if m is None or m.end() == pos:
+            raise PlanError(f"pipeline={text!r}: expected 'name' or 'name{{option=value,...}}' at position {pos}")
+        pos = m.end()
+        name = m.group(1)
+        if name not in registry:
+            raise PlanError(f"pipeline={name!r}: unknown pass; known: {', '.join(sorted(registry))}")
+        cls = registry[name]
         missing = [r for r in cls.requires if r not in available]
         if missing:
-            raise PlanError(f"pipeline={n!r}: needs {', '.join(missing)} from an earlier pass")
+            raise PlanError(f"pipeline={name!r}: needs {', '.join(missing)} from an earlier pass")
         available.update(cls.provides)
-        classes.append(cls)
-    return tuple(classes)
+        passes.append(cls(**_options(cls, m.group(2) or "")))
+    return tuple(passes)
+
+
+def _options(cls: type, text: str) -> dict:
+    """``k=v`` pairs of one pass, converted to its fields' types (bool, int, float, str or a Literal of them)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, _, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if key not in fields:
+            raise PlanError(f"pipeline={cls.name}{{{text}}}: {key!r} is not an option of {cls.name} (options: "
+                            f"{', '.join(fields) or 'none'})")
+        out[key] = _convert(cls.name, key, raw, hints[key])
+    return out
+
+
+def _convert(name: str, key: str, raw: str, hint: object) -> object:
+    choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+    try:
+        if choices is not None:
+            if raw not in choices:
+                raise ValueError
+            return raw
+        if hint is bool:
+            if raw.lower() not in ("true", "false"):
+                raise ValueError
+            return raw.lower() == "true"
+        return hint(raw)  # type: ignore[operator]
+    except ValueError:
+        rule = f"one of {', '.join(map(str, choices))}" if choices else f"a {getattr(hint, '__name__', hint)}"
+        raise PlanError(f"pipeline={name}{{{key}={raw}}}: must be {rule}") from None
 
 
 class PassFailed(MoeplanError):

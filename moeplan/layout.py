@@ -80,8 +80,8 @@ def check_layout(layout: Layout, *, num_devices: int, devices_per_node: int, num
     ``num_layer_slots`` is the number of pipeline-placeable layers (decoder + MTP pieces), used to check that every
     one of the ``pp·vpp`` chunks can get at least one layer. Rules: every degree ≥ 1; the product of tp, cp, dp, pp
     equals ``num_devices``; tp divides the attention heads (and KV heads for GQA) and at most one node; ep divides
-    dp·cp; etp divides tp; experts divide by ``ep·tp/etp``; the micro-batches divide the global batch; interleaving
-    (vpp > 1) needs the micro-batch count to be a multiple of pp (Megatron-LM's interleaved schedule).
+    dp·cp; etp divides tp; experts divide by ``ep·tp/etp``; the micro-batches divide the global batch; vpp > 1 needs
+    pp > 1. Which schedules fit (pp, vpp, micro-batches) is the ``schedule`` pass's rule (passes/schedule.py).
     """
     for f in ("tp", "pp", "vpp", "ep", "etp", "cp", "dp", "micro_batch", "global_batch", "seq_len"):
         v = getattr(layout, f)
@@ -108,9 +108,6 @@ def check_layout(layout: Layout, *, num_devices: int, devices_per_node: int, num
     if layout.global_batch % (layout.dp * layout.micro_batch):
         raise _fail("global_batch", layout.global_batch,
                     f"must be divisible by dp·micro_batch = {layout.dp * layout.micro_batch}")
-    if layout.vpp > 1 and layout.num_microbatches % layout.pp:
-        raise _fail("vpp", layout.vpp, f"interleaving needs micro-batches ({layout.num_microbatches}) divisible by pp "
-                                       f"({layout.pp})")
     if layout.vpp > 1 and layout.pp == 1:
         raise _fail("vpp", layout.vpp, "interleaving needs pp > 1")
     if layout.pp * layout.vpp > num_layer_slots:

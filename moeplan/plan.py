@@ -8,7 +8,6 @@ Saving then loading gives an equal plan.
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -16,18 +15,19 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from moeplan.cost_models.timeline import compute_parts, parse_action
 from moeplan.errors import PlanError
 from moeplan.ir import kind_of, named_layers
+from moeplan.names import Dispatcher, Mechanism, ScheduleKind
 from moeplan.spec import ModelSpec
 from moeplan.targets import Target
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MFU_DEFINITION = ("MFU = model FLOPs/s ÷ (devices × peak bf16 FLOP/s); model FLOPs per token by Megatron-LM's causal "
                   "count without MTP (FACTS §4.1)")
 # libyaml's C implementations of the *safe* dumper and loader when present (same rules, ~10x faster)
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-_ACTION = re.compile(r"^(\d+)(F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)$")
 
 
 class _Frozen(BaseModel):
@@ -58,8 +58,10 @@ class PlanLayout(_Frozen):
 
 
 class PlanStages(_Frozen):
-    """``chunks[pp_rank][vpp_chunk]`` = layer names; pipeline stage of (r, c) is ``c·pp + r``."""
+    """``chunks[pp_rank][vpp_chunk]`` = layer names; pipeline stage of (r, c) is ``c·pp + r`` (``loop``) or, with
+    the ``v`` placement of ZB-V and DualPipeV, ``r`` for chunk 0 and ``2·pp − 1 − r`` for chunk 1."""
 
+    placement: Literal["loop", "v"] = "loop"
     chunks: list[list[list[str]]]
     chunk_time_s: list[list[float]]
     imbalance: float
@@ -75,6 +77,8 @@ class PlanCollective(_Frozen):
     group_size: int
     tier: Literal["intra", "inter"]
     time_s: float
+    wire_intra_bytes: float = 0.0  # bytes one rank sends over the intra-node link
+    wire_inter_bytes: float = 0.0  # ... and over the inter-node link
 
 
 class PlanLayerCost(_Frozen):
@@ -114,19 +118,38 @@ class PlanRankMemory(_Frozen):
 
 class PlanMemory(_Frozen):
     budget_bytes: float
+    recompute: Literal["auto", "none", "selective", "full"] = "auto"  # what was asked (``--recompute``)
     ranks: list[PlanRankMemory]
 
 
 class PlanSchedule(_Frozen):
-    """Per PP rank, actions in torch.distributed.pipelining notation (``0F1``, ``0SEND_F1``, ...)."""
+    """Per PP rank, actions in torch.distributed.pipelining notation (``0F1``, ``0I1``, ``0SEND_F1``,
+    ``(0F3;7B1)OVERLAP_F_B``, ...)."""
 
-    kind: Literal["1f1b", "interleaved-1f1b"]
+    kind: ScheduleKind
     actions: list[list[str]]
 
 
 class PlanComm(_Frozen):
-    dispatcher: Literal["alltoall"] = "alltoall"
-    overlap: Literal["none"] = "none"
+    """The EP token dispatcher and the overlap mechanisms that are on (docs/step-model.md §2–3)."""
+
+    dispatcher: Dispatcher = "flat"
+    overlap: list[Mechanism] = Field(default_factory=list)
+
+
+class PlanCommClass(_Frozen):
+    """One comm class over the step (averaged over PP ranks): seconds of its collectives, seconds the compute
+    stream waited on them, ``overlap_rate = 1 − exposed / total`` (None when it moved nothing), the same in the
+    steady state, and bytes one device sends per link tier."""
+
+    total_s: float
+    exposed_s: float
+    overlap_rate: float | None
+    steady_total_s: float
+    steady_exposed_s: float
+    steady_overlap_rate: float | None
+    intra_bytes: float
+    inter_bytes: float
 
 
 class PlanPrediction(_Frozen):
@@ -138,6 +161,9 @@ class PlanPrediction(_Frozen):
     peak_memory_bytes: list[float]
     exposed_comm_s: dict[str, float]
     model_flops_per_step: float
+    comm: dict[str, PlanCommClass] = Field(default_factory=dict)
+    host_wait_s: float = 0.0
+    optimizer_s: float = 0.0
     mfu_definition: str = MFU_DEFINITION
 
 
@@ -254,14 +280,18 @@ def _check_actions(plan: Plan) -> None:
     lay = plan.layout
     if len(plan.schedule.actions) != lay.pp:
         raise PlanError(f"schedule.actions: {len(plan.schedule.actions)} lists for pp={lay.pp} ranks")
+    v = plan.stages.placement == "v"
     for r, actions in enumerate(plan.schedule.actions):
-        own = {c * lay.pp + r for c in range(lay.vpp)}
+        own = {r, 2 * lay.pp - 1 - r} if v else {c * lay.pp + r for c in range(lay.vpp)}
         for a in actions:
-            m = _ACTION.match(a)
-            if not m:
-                raise PlanError(f"schedule.actions[{r}]: {a!r} is not an action (e.g. 0F1, 0B1, 0SEND_F1)")
-            stage, mb = int(m.group(1)), int(m.group(3))
-            if stage not in own:
-                raise PlanError(f"schedule.actions[{r}]: {a!r} runs stage {stage}, which pp rank {r} does not hold")
-            if mb >= lay.num_microbatches:
-                raise PlanError(f"schedule.actions[{r}]: {a!r} names micro-batch {mb} of {lay.num_microbatches}")
+            try:
+                parsed = parse_action(a)
+            except PlanError:
+                raise PlanError(f"schedule.actions[{r}]: {a!r} is not an action (e.g. 0F1, 0B1, 0SEND_F1)") from None
+            for part in compute_parts(a) or ((parsed,) if parsed.microbatch >= 0 else ()):
+                if part.stage not in own:
+                    raise PlanError(f"schedule.actions[{r}]: {a!r} runs stage {part.stage}, which pp rank {r} does "
+                                    f"not hold")
+                if part.microbatch >= lay.num_microbatches:
+                    raise PlanError(f"schedule.actions[{r}]: {a!r} names micro-batch {part.microbatch} of "
+                                    f"{lay.num_microbatches}")

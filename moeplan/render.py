@@ -43,7 +43,27 @@ def predicted_dict(plan: Plan) -> dict:
     p = plan.prediction
     return {"step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "hfu": p.hfu,
             "bubble": p.bubble, "peak_memory_bytes": p.peak_memory_bytes, "exposed_comm_s": p.exposed_comm_s,
-            "mfu_definition": MFU_DEFINITION}
+            "comm": {k: v.model_dump() for k, v in p.comm.items()}, "host_wait_s": p.host_wait_s,
+            "optimizer_s": p.optimizer_s, "schedule": plan.schedule.kind, "dispatcher": plan.comm.dispatcher,
+            "overlap": plan.comm.overlap, "mfu_definition": MFU_DEFINITION}
+
+
+def _rate(x: float | None) -> str:
+    return "–" if x is None else f"{x:.0%}"
+
+
+def render_comm(console: Console, plan: Plan) -> None:
+    """Per comm class: total, exposed, overlap rate (step and steady state), bytes per link tier."""
+    t = Table(title=f"communication per step (dispatcher {plan.comm.dispatcher}; overlap "
+                    f"{', '.join(plan.comm.overlap) or 'none'})")
+    for col in ("class", "total", "exposed", "overlap", "steady overlap", "intra-node", "inter-node"):
+        t.add_column(col)
+    for cls, c in plan.prediction.comm.items():
+        if not c.total_s:
+            continue
+        t.add_row(cls, f"{c.total_s:.3f} s", f"{c.exposed_s:.3f} s", _rate(c.overlap_rate),
+                  _rate(c.steady_overlap_rate), f"{c.intra_bytes / GIB:.2f} GiB", f"{c.inter_bytes / GIB:.2f} GiB")
+    console.print(t)
 
 
 def render_plan(console: Console, plan: Plan) -> None:
@@ -61,13 +81,17 @@ def render_plan(console: Console, plan: Plan) -> None:
     t.add_row("HFU", f"{pred.hfu:.1%}  (executed FLOPs incl. recompute and MTP)")
     t.add_row("bubble", f"{pred.bubble:.2%}  ({plan.schedule.kind})")
     t.add_row("exposed comm", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pred.exposed_comm_s.items() if v))
+    if pred.host_wait_s:
+        t.add_row("host-bound wait", f"{pred.host_wait_s * 1e3:.1f} ms (kernel launches after host syncs)")
     console.print(t)
+    render_comm(console, plan)
     st = Table(title=f"stages (slowest chunk {plan.stages.imbalance:+.1%} over the mean)")
     for col in ("pp rank", "chunk", "stage", "layers", "time/mb"):
         st.add_column(col)
     for r, chunks in enumerate(plan.stages.chunks):
         for c, names in enumerate(chunks):
-            st.add_row(str(r), str(c), str(c * lay.pp + r), compact(names),
+            stage = c * lay.pp + r if plan.stages.placement == "loop" else (r if c == 0 else 2 * lay.pp - 1 - r)
+            st.add_row(str(r), str(c), str(stage), compact(names),
                        f"{plan.stages.chunk_time_s[r][c] * 1e3:.1f} ms")
     console.print(st)
     console.print(f"[dim]{plan.stages.reason}[/]")
@@ -85,11 +109,12 @@ def render_search(console: Console, result: SearchResult, top: int) -> None:
     """The best ``top`` layouts and the rejection counts."""
     t = Table(title=f"best {min(top, len(result.ranked))} of {result.num_evaluated} simulated "
                     f"({result.num_enumerated} enumerated)")
-    for col in ("#", "layout", "step", "tokens/s", "MFU", "bubble", "peak mem"):
+    for col in ("#", "layout", "strategy", "step", "tokens/s", "MFU", "bubble", "peak mem"):
         t.add_column(col)
     for i, ev in enumerate(result.ranked[:top]):
         p = ev.state.prediction
-        t.add_row(str(i + 1), ev.state.layout.short(), f"{p.step_time_s:.3f} s", f"{p.tokens_per_s:,.0f}",
+        t.add_row(str(i + 1), ev.state.layout.short(), ev.state.strategy.short(), f"{p.step_time_s:.3f} s",
+                  f"{p.tokens_per_s:,.0f}",
                   f"{p.mfu:.1%}", f"{p.bubble:.2%}", f"{max(p.peak_memory_bytes) / GIB:.1f} GiB")
     console.print(t)
     if result.rejected:

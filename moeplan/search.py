@@ -1,13 +1,22 @@
-"""Layout search: enumerate layouts, prune cheaply, run the pass pipeline on the best survivors (DESIGN §4).
+"""Layout search: enumerate layouts and strategies, prune cheaply, run the pass pipeline on the best survivors
+(DESIGN §4).
 
 1. **Enumerate** every (tp, cp, pp, vpp, ep, etp, micro_batch) whose product with dp fits the device count, within
    the degrees the user fixed; ``etp`` is ``tp`` (expert-TP) or 1 (TP-extend-EP).
 2. **Prune** by the layout rules (moeplan.layout.check_layout) and a static memory lower bound (model states of
    the average stage, no activations), counting rejections by reason.
-3. **Estimate** each survivor in closed form: per-layer costs from ``shard`` (cached per tp, cp, ep, etp,
-   micro_batch), a perfectly balanced pipeline, the interleaved-1F1B bubble (FACTS §4.3).
-4. **Evaluate** the ``candidates`` best estimates with the full pipeline in parallel processes and rank them by
-   simulated step time. Layouts the memory pass finds infeasible are counted and dropped.
+3. **Strategies** of each survivor: every schedule the target's runtime executes that fits (pp, vpp, micro-batches)
+   (passes/schedule.py), the dispatcher (``auto``: the one whose EP dispatch is fastest for the layout), and the
+   overlap mechanisms (``auto``: every one the target's runtime runs that applies: ``shared-expert`` with shared
+   experts and EP, ``fb`` on the schedules that pair a forward with a backward). Fixed choices are honoured.
+4. **Estimate** each (layout, strategy) in closed form (:func:`estimate_step`): per-layer costs from ``shard``
+   (cached per tp, cp, ep, etp, micro-batch, dispatcher), each layer's forward, backward and overlapped
+   forward-backward pair priced on an idle rank by the timeline, the recompute mode the memory estimate needs, the
+   slowest chunk of the best stage split, the schedule's bubble and the DP and optimizer tail
+   (docs/step-model.md §4).
+5. **Evaluate** the ``candidates`` best estimates (those whose memory estimate fits first) with the full pipeline
+   in parallel processes and rank them by simulated step time. A candidate the memory pass finds infeasible is retried without ``fb`` when the overlap
+   set was chosen automatically (``fb`` keeps one more micro-batch in flight), else counted and dropped.
 """
 from __future__ import annotations
 
@@ -16,16 +25,23 @@ import re
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from multiprocessing import get_context
+from typing import Mapping, Sequence
 
 from moeplan.compiler import parse_pipeline, run_pipeline
+from moeplan.cost_models.dispatch import hierarchical_valid
+from moeplan.cost_models.layer_program import ep_transfer, expert_group
 from moeplan.cost_models.memory import model_state_bytes
+from moeplan.cost_models.timeline import RunSettings, action_time_s
 from moeplan.errors import InfeasibleError, LayoutError
-from moeplan.ir import ModelGraph, named_layers
+from moeplan.ir import LayerKind, ModelGraph, named_layers
 from moeplan.layout import Layout, check_layout
-from moeplan.passes.partition_stages import piece_time_s
+from moeplan.passes.plan_memory import MODES, saved_bytes
+from moeplan.passes.schedule import in_flight_bound, placement_of, schedule_fits, stage_rank
+from moeplan.passes.simulate import adam_s, dp_sync_s, recompute_work
 from moeplan.passes.shard import layer_cost
-from moeplan.state import PlanState
+from moeplan.state import Dispatcher, Mechanism, PlanState, ScheduleKind, Strategy
 from moeplan.targets import Target
 
 
@@ -42,6 +58,10 @@ class Fixed:
     etp: int | None = None
     cp: int | None = None
     micro_batch: int | None = None
+    schedule: ScheduleKind | None = None
+    dispatcher: Dispatcher | None = None
+    overlap: frozenset[Mechanism] | None = None
+    recompute: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -104,52 +124,262 @@ def rejection_reason(err: Exception) -> str:
     return re.sub(r"\s+", " ", re.sub(r"\d+", "N", text)).strip()
 
 
-def _time_per_microbatch_s(graph: ModelGraph, layout: Layout, target: Target, counts: Counter, cache: dict) -> float:
-    """Whole-model layer time for one micro-batch (cached per tp, cp, ep, etp, micro_batch)."""
-    key = (layout.tp, layout.cp, layout.ep, layout.etp, layout.micro_batch)
-    if key not in cache:
-        cache[key] = sum(n * piece_time_s(layer_cost(graph.layer(k), spec=graph.spec, layout=layout, target=target))
-                         for k, n in counts.items())
-    return cache[key]
+@dataclass(frozen=True)
+class ModelCost:
+    """The whole model (every slot once) for one micro-batch on one device, each layer priced on an idle rank by the
+    timeline: forward, input gradient, weight gradient and (under ``fb``) forwards overlapped with backwards, in
+    seconds; per recompute mode the forward work redone (seconds) and the activation bytes kept."""
+
+    fwd: float
+    bwd_input: float
+    bwd_weight: float
+    pair: float
+    recompute_s: Mapping[str, float]
+    act_bytes: Mapping[str, float]
 
 
-def static_bytes(layout: Layout, graph: ModelGraph, counts: Counter) -> float:
-    """Model-state bytes per device of an average stage: a lower bound for the fullest stage (no activations)."""
+def _model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Dispatcher, overlap: frozenset,
+                counts: Counter, cache: dict) -> ModelCost:
+    """:class:`ModelCost` of the slots ``counts``. ``cache`` keeps each kind's layer cost and timeline prices per
+    what they depend on: (tp, cp, micro-batch) for a layer without routed experts, also (ep, etp, dispatcher) for
+    one with them."""
+    settings = RunSettings(mechanisms=overlap, compute_slowdown=target.comm_compute_slowdown,
+                           host_launch_s=target.launch.host_launch_s if target.launch.granularity == "op" else 0,
+                           host_sync_s=target.launch.host_sync_s if target.launch.granularity == "op" else 0)
+    f = i = w = pair = 0.0
+    redo = dict.fromkeys(MODES, 0.0)
+    act = dict.fromkeys(MODES, 0.0)
+    for kind, n in counts.items():
+        lg = graph.layer(kind)
+        key = (kind, layout.tp, layout.cp, layout.micro_batch) + (
+            (layout.ep, layout.etp, dispatcher) if lg.expert_param_count else ())
+        if key not in cache:
+            lc = layer_cost(lg, spec=graph.spec, layout=layout, target=target, dispatcher=dispatcher)
+            cache[key] = (lc, {m: recompute_work(lc, m)[0] for m in MODES}, {m: saved_bytes(lc, m) for m in MODES})
+        lc, lr, la = cache[key]
+        if (key, overlap) not in cache:
+            prog = lc.program
+            lf, li, lw = (action_time_s([x], settings) for x in (prog.fwd, prog.bwd_input, prog.weight_alone))
+            lp = action_time_s([prog.fwd, prog.backward], settings) if "fb" in overlap else lf + li + lw
+            cache[(key, overlap)] = (lf, li, lw, lp)
+        lf, li, lw, lp = cache[(key, overlap)]
+        f, i, w, pair = f + n * lf, i + n * li, w + n * lw, pair + n * lp
+        for m in MODES:
+            redo[m] += n * lr[m]
+            act[m] += n * la[m]
+    return ModelCost(f, i, w, pair, redo, act)
+
+
+def stage_params(layout: Layout, graph: ModelGraph, counts: Counter) -> tuple[float, float]:
+    """(dense, routed-expert) parameters per device of an average stage."""
     dense = sum(n * (graph.layer(k).param_count - graph.layer(k).expert_param_count + graph.layer(k).shared_param_count)
-                for k, n in counts.items()) / layout.tp
-    expert = sum(n * graph.layer(k).expert_param_count for k, n in counts.items()) / (layout.ep * layout.tp)
-    return model_state_bytes(dense_params=dense / layout.pp, expert_params=expert / layout.pp,
-                             dense_dp=layout.dp * layout.cp, expert_dp=layout.expert_dp).total_bytes
+                for k, n in counts.items()) / (layout.tp * layout.pp)
+    expert = sum(n * graph.layer(k).expert_param_count for k, n in counts.items()) / (layout.ep * layout.tp * layout.pp)
+    return dense, expert
 
 
-def estimate_step_s(layout: Layout, time_per_microbatch_s: float) -> float:
-    """Closed-form step estimate: balanced stages, per-rank time per micro-batch = total / pp, and
-    (m + (pp − 1)/vpp) such slots (interleaved 1F1B bubble, FACTS §4.3)."""
-    return time_per_microbatch_s / layout.pp * (layout.num_microbatches + (layout.pp - 1) / layout.vpp)
+def static_bytes(layout: Layout, params: tuple[float, float]) -> float:
+    """Model-state bytes per device of an average stage (``params`` from :func:`stage_params`): a lower bound for
+    the fullest stage (no activations)."""
+    return model_state_bytes(dense_params=params[0], expert_params=params[1], dense_dp=layout.dp * layout.cp,
+                             expert_dp=layout.expert_dp).total_bytes
 
 
-def _evaluate(args: tuple[ModelGraph, Target, Layout, str]) -> Evaluated | str:
-    graph, target, layout, pipeline = args
-    passes = tuple(cls() for cls in parse_pipeline(pipeline))
-    try:
-        state, timings = run_pipeline(PlanState(graph=graph, target=target, layout=layout), passes)
-    except (InfeasibleError, LayoutError) as e:
-        return f"{type(e).__name__}: {e}"
-    return Evaluated(state=state, pass_s=tuple((t.name, t.seconds) for t in timings))
+@dataclass(frozen=True)
+class Estimate:
+    """The closed-form step estimate of one (layout, strategy): seconds, the recompute mode its memory estimate
+    needs, and whether any mode fits (an estimate: the memory pass decides)."""
+
+    step_s: float
+    recompute: str
+    fits: bool
+
+
+@lru_cache(maxsize=256)
+def rank_load(times: tuple[float, ...], pp: int, vpp: int, placement: str) -> float:
+    """How much more than the balanced ``sum(times)/pp`` the busiest PP rank computes per micro-batch when the
+    slots (``times``, pipeline order) are split as the partition pass splits them — the contiguous split into
+    ``pp·vpp`` chunks minimising the slowest chunk (bisection on the bound with the greedy fill, to 1e-4) — and
+    the chunks are placed ``loop`` or ``v`` (passes/schedule.py)."""
+    chunks = pp * vpp
+    lo, hi = max(max(times), sum(times) / chunks), sum(times)
+    while hi - lo > 1e-4 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if len(_fill_runs(times, mid)) <= chunks else (mid, hi)
+    runs = _fill_runs(times, hi)
+    while len(runs) < chunks:  # split the heaviest run of several slots (the partition pass does the same)
+        k = max((j for j, r in enumerate(runs) if len(r) > 1), key=lambda j: sum(runs[j]))
+        runs[k:k + 1] = [runs[k][:-1], runs[k][-1:]]
+    load = [0.0] * pp
+    for stage, run in enumerate(runs):
+        load[stage_rank(stage, pp=pp, placement=placement)] += sum(run)  # type: ignore[arg-type]
+    return max(load) * pp / sum(times)
+
+
+def _fill_runs(times: Sequence[float], bound: float) -> list[list[float]]:
+    """Greedy contiguous runs of ``times`` each summing to at most ``bound`` (a single slot may exceed it)."""
+    runs: list[list[float]] = [[]]
+    acc = 0.0
+    for t in times:
+        if runs[-1] and acc + t > bound:
+            runs.append([])
+            acc = 0.0
+        runs[-1].append(t)
+        acc += t
+    return runs
+
+
+def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weights: tuple[float, ...],
+                  params: tuple[float, float], target: Target) -> Estimate:
+    """Closed-form step estimate (docs/step-model.md §4), for ranking layouts before the full pipeline:
+
+    - **Recompute**: the cheapest mode (or the fixed one) whose memory fits — model states of the average stage
+      plus :func:`~moeplan.passes.schedule.in_flight_bound` micro-batch chunks of the average chunk's activations;
+    - **Stages**: the pipeline flows at the pace of its busiest rank, so every pass is scaled by that rank's load
+      over the balanced ``1/pp`` (:func:`rank_load` of the slots' ``weights``, their forward + backward FLOPs:
+      how uneven the split comes out depends on the layers' granularity far more than on the layout);
+    - **Schedule**: ``m`` micro-batches of work (the steady ones as overlapped pairs under ``fb``) plus the bubble
+      (1F1B ``(pp−1)(F+B)``, interleaved ``/vpp``, the zero-bubble family ``(pp−1)(F+I−W)`` per chunk);
+    - **DP and optimizer**: the DP collectives of the average stage (passes/simulate.py) after the last
+      backward; under ``dp`` only the reduce-scatter of the last chunk to finish its backward (one of ``vpp``),
+      which nothing is left to hide; then the Adam update of the locally owned parameters.
+    """
+    pp, vpp, m = layout.pp, layout.vpp, layout.num_microbatches
+    static = static_bytes(layout, params)
+    chunks = pp * vpp
+    fb = "fb" in strategy.overlap
+    held = in_flight_bound(strategy.schedule, pp=pp, vpp=vpp, num_microbatches=m, fb=fb)
+    modes = MODES if strategy.recompute == "auto" else (strategy.recompute,)
+    fits = False
+    for mode in modes:
+        if static + held * cost.act_bytes[mode] / chunks <= target.usable_memory_bytes:
+            fits = True
+            break
+    load = rank_load(weights, pp, vpp, placement_of(strategy.schedule)) / pp
+    f, w = load * cost.fwd, load * cost.bwd_weight
+    i = load * (cost.bwd_input + cost.recompute_s[mode])
+    pair = load * (cost.pair + cost.recompute_s[mode])
+    pairs = max(0, m - pp) if fb else 0
+    work = (m - pairs) * (f + i + w) + pairs * pair
+    kind = strategy.schedule
+    if kind == "1f1b":
+        bubble = (pp - 1) * (f + i + w)
+    elif kind == "interleaved":
+        bubble = (pp - 1) * (f + i + w) / vpp
+    else:  # zero-bubble family: (pp − 1)(F + I − W) per chunk
+        bubble = (pp - 1) * max(0.0, f + i - w) / vpp
+    dense, expert = params
+    tail = adam_s(dense / (layout.dp * layout.cp) + expert / layout.expert_dp, target)
+    overlap_dp = "dp" in strategy.overlap
+    for n, group, stride in ((dense, layout.dp * layout.cp, layout.tp), (expert, layout.expert_dp, layout.tp * layout.ep)):
+        if n and group > 1:
+            rs, ag, _ = dp_sync_s(n / vpp if overlap_dp else n, group=group, stride=stride, target=target)
+            tail += rs if overlap_dp else rs + ag
+    return Estimate(step_s=work + bubble + tail, recompute=mode, fits=fits)
+
+
+def strategies(layout: Layout, *, graph: ModelGraph, target: Target, fixed: Fixed,
+               cache: dict | None = None) -> list[Strategy]:
+    """The strategies searched for ``layout`` (module docstring, step 3); ``cache`` keeps the dispatcher choice
+    per (tp, cp, ep, etp, micro-batch) across layouts."""
+    spec, caps = graph.spec, target.runtime
+    kinds = [fixed.schedule] if fixed.schedule else list(caps.schedules)
+    kinds = [k for k in kinds if layout.pp > 1 or k == "1f1b"]
+    kinds = [k for k in kinds if schedule_fits(k, pp=layout.pp, vpp=layout.vpp,
+                                               num_microbatches=layout.num_microbatches) is None]
+    dispatcher = fixed.dispatcher or _cheapest_dispatcher(layout, graph, target, cache)
+    out = []
+    for kind in kinds:
+        if fixed.overlap is not None:
+            overlap = fixed.overlap
+        else:
+            overlap = frozenset(m for m in caps.overlap if _applies(m, kind, layout, graph))
+        out.append(Strategy(schedule=kind, dispatcher=dispatcher, overlap=overlap,
+                            recompute=fixed.recompute))  # type: ignore[arg-type]
+    return out
+
+
+def _applies(mechanism: str, kind: str, layout: Layout, graph: ModelGraph) -> bool:
+    ep = expert_group(layout)[0] > 1
+    if mechanism == "shared-expert":
+        return ep and graph.spec.num_shared_experts > 0
+    if mechanism == "fb":
+        return kind in ("1f1b", "interleaved", "dualpipev") and layout.num_microbatches > layout.pp
+    if mechanism == "pp":
+        return layout.pp > 1
+    return layout.dp * layout.cp > 1
+
+
+def _cheapest_dispatcher(layout: Layout, graph: ModelGraph, target: Target, cache: dict | None = None) -> Dispatcher:
+    """The dispatcher (of those the target's runtime executes) whose forward dispatch is fastest; ``flat`` without
+    EP or when nothing else fits."""
+    n, stride = expert_group(layout)
+    if not graph.spec.is_moe or n == 1:
+        return "flat"
+    key = ("dispatcher", layout.tp, layout.cp, layout.ep, layout.etp, layout.micro_batch)
+    if cache is not None and key in cache:
+        return cache[key]
+    best, best_t = "flat", float("inf")
+    for d in target.runtime.dispatchers:
+        if d == "hierarchical" and not hierarchical_valid(group_size=n, stride=stride,
+                                                          devices_per_node=target.devices_per_node):
+            continue
+        op = ep_transfer(graph.spec, layout, target, d, "fwd", dispatch_direction=True)
+        t = op.time_s if op is not None else 0.0
+        if t < best_t - 1e-12:
+            best, best_t = d, t
+    if cache is not None:
+        cache[key] = best
+    return best  # type: ignore[return-value]
+
+
+def _evaluate(args: tuple[Layout, Strategy, str, bool]) -> Evaluated | str:
+    layout, strategy, pipeline, auto_overlap = args
+    graph, target = _SHARED["graph"], _SHARED["target"]
+    passes = parse_pipeline(pipeline)
+    tries = [strategy]
+    if auto_overlap and "fb" in strategy.overlap:
+        tries.append(replace(strategy, overlap=strategy.overlap - {"fb"}))
+    for attempt in tries:
+        try:
+            state, timings = run_pipeline(PlanState(graph=graph, target=target, layout=layout, strategy=attempt),
+                                          passes)
+        except InfeasibleError as e:
+            error = f"InfeasibleError: {e}"
+            continue
+        except LayoutError as e:
+            return f"LayoutError: {e}"
+        return Evaluated(state=state, pass_s=tuple((t.name, t.seconds) for t in timings))
+    return error
+
+
+def _check_fixed(fixed: Fixed, target: Target) -> None:
+    """Refuse a fixed schedule, dispatcher or mechanism the target's runtime does not execute."""
+    caps = target.runtime
+    for field, chosen, allowed in (("schedule", [fixed.schedule] if fixed.schedule else [], caps.schedules),
+                                   ("dispatcher", [fixed.dispatcher] if fixed.dispatcher else [], caps.dispatchers),
+                                   ("overlap", sorted(fixed.overlap or ()), caps.overlap)):
+        bad = [c for c in chosen if c not in allowed]
+        if bad:
+            raise LayoutError(f"{field}={bad[0]!r}: the runtime behind target {target.name} executes only "
+                              f"{', '.join(allowed) or 'none'}")
 
 
 def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed, pipeline: str,
-           candidates: int = 16, workers: int | None = None) -> SearchResult:
+           candidates: int = 4, workers: int | None = None) -> SearchResult:
     """Find the fastest layouts; see the module docstring. Raises LayoutError if no layout is valid, and
     InfeasibleError (with the smallest per-device memory seen) if every valid layout runs out of memory."""
+    _check_fixed(fixed, target)
     dpn = target.devices_per_node
     rejected: Counter = Counter()
-    survivors: list[tuple[float, Layout]] = []
     cache: dict = {}
-    counts = Counter(k for _, k in named_layers(graph.spec))
+    slots = [k for _, k in named_layers(graph.spec)]
+    counts = Counter(slots)
+    weights = tuple(graph.layer(k).fwd_flops + graph.layer(k).bwd_flops for k in slots)
     first_error: LayoutError | None = None
     min_static = float("inf")
     layouts = enumerate_layouts(graph=graph, num_devices=num_devices, devices_per_node=dpn, fixed=fixed)
+    options: list[tuple[Layout, Strategy, tuple[float, float]]] = []
     for lay in layouts:
         try:
             check(lay, graph=graph, num_devices=num_devices, devices_per_node=dpn, num_slots=sum(counts.values()))
@@ -157,17 +387,27 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
             first_error = first_error or e
             rejected[rejection_reason(e)] += 1
             continue
-        static = static_bytes(lay, graph, counts)
+        params = stage_params(lay, graph, counts)
+        static = static_bytes(lay, params)
         if static > target.usable_memory_bytes:
             min_static = min(min_static, static)
             rejected["memory: model states exceed device memory"] += 1
             continue
-        survivors.append((estimate_step_s(lay, _time_per_microbatch_s(graph, lay, target, counts, cache)), lay))
-    if not survivors and first_error is not None and not rejected.get("memory: model states exceed device memory"):
+        found = strategies(lay, graph=graph, target=target, fixed=fixed, cache=cache)
+        if not found:
+            rejected["schedule: no schedule the target runs fits pp, vpp and the micro-batches"] += 1
+        options += [(lay, st, params) for st in found]
+    if not options and first_error is not None and not rejected.get("memory: model states exceed device memory"):
         raise first_error
-    survivors.sort(key=lambda x: x[0])
-    picked = [lay for _, lay in survivors[:candidates]]
-    results = _run_all(graph, target, picked, pipeline, workers)
+    if not options and fixed.schedule is not None and not rejected.get("memory: model states exceed device memory"):
+        raise LayoutError(f"schedule={fixed.schedule!r}: fits none of the {len(layouts)} layouts (pp, vpp and "
+                          f"micro-batches: passes/schedule.py)")
+    _SHARED["graph"], _SHARED["target"] = _lean(graph), target  # what forked workers read
+    try:
+        results, picked = _estimate_and_evaluate(options, slots, weights, target, pipeline, candidates, workers,
+                                                 auto_overlap=fixed.overlap is None)
+    finally:
+        _SHARED.clear()
     ranked = []
     for r in results:
         if isinstance(r, str):
@@ -182,14 +422,73 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
                         num_evaluated=len(picked))
 
 
-def _run_all(graph: ModelGraph, target: Target, layouts: list[Layout], pipeline: str, workers: int | None) -> list:
-    lean = replace(graph, layers={k: replace(v, gm=None) for k, v in graph.layers.items()})
-    tasks = [(lean, target, lay, pipeline) for lay in layouts]
-    workers = min(workers or os.cpu_count() or 1, len(tasks))
-    if workers <= 1:
-        return [_evaluate(t) for t in tasks]
-    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("fork")) as pool:
-        return list(pool.map(_evaluate, tasks))
+def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, float]]], slots: list[LayerKind],
+                           weights: tuple[float, ...], target: Target, pipeline: str, candidates: int,
+                           workers: int | None, *, auto_overlap: bool) -> tuple[list, list]:
+    """Steps 4 and 5 of the module docstring in one pool of worker processes: the options of one layer-cost shape
+    (:func:`_shape_key`) are priced and estimated together, the best go through the full pipeline."""
+    groups: dict[tuple, list[tuple[Layout, Strategy, tuple[float, float]]]] = {}
+    for opt in options:
+        groups.setdefault(_shape_key(opt[0], opt[1]), []).append(opt)
+    _SHARED["counts"], _SHARED["weights"] = Counter(slots), weights
+    tasks = list(groups.values())
+    with _Pool(workers) as pool:
+        survivors = [x for part in pool.map(_estimate_shape, tasks, chunksize=max(1, len(tasks) // 16)) for x in part]
+        survivors.sort(key=lambda x: x[0])
+        picked = [(lay, st) for _, lay, st in survivors[:candidates]]
+        results = pool.map(_evaluate, [(lay, st, pipeline, auto_overlap) for lay, st in picked])
+    return results, picked
+
+
+_SHARED: dict = {}
+"""The traced graph (without fx modules), the target, the slot counts per kind and the slots' weights of the running
+search: set before the worker processes fork, so tasks carry only layouts and strategies."""
+
+
+def _lean(graph: ModelGraph) -> ModelGraph:
+    return replace(graph, layers={k: replace(v, gm=None) for k, v in graph.layers.items()})
+
+
+def _shape_key(layout: Layout, strategy: Strategy) -> tuple:
+    """What the layer costs depend on: (tp, cp, ep, etp, micro-batch, dispatcher)."""
+    return (layout.tp, layout.cp, layout.ep, layout.etp, layout.micro_batch, strategy.dispatcher)
+
+
+def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
+                    ) -> list[tuple[tuple[bool, float], Layout, Strategy]]:
+    """(sort key, layout, strategy) of each option of one layer-cost shape: the options whose memory estimate
+    fits first, then by estimated step."""
+    graph, target, counts = _SHARED["graph"], _SHARED["target"], _SHARED["counts"]
+    cache = _SHARED.setdefault("costs", {})  # per process: forked workers each keep their own
+    out = []
+    for lay, st, params in options:
+        cost = _model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache)
+        est = estimate_step(lay, st, cost, weights=_SHARED["weights"], params=params, target=target)
+        out.append(((not est.fits, est.step_s), lay, st))
+    return out
+
+
+class _Pool:
+    """``map`` in forked worker processes (``workers`` of them, default the CPU count), or in this process for one
+    worker; the pool starts at the first map of more than one task."""
+
+    def __init__(self, workers: int | None) -> None:
+        self.workers = workers or os.cpu_count() or 1
+        self.pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> "_Pool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+    def map(self, fn, tasks: list, chunksize: int = 1) -> list:  # type: ignore[no-untyped-def]
+        if self.workers <= 1 or len(tasks) <= 1:
+            return [fn(t) for t in tasks]
+        if self.pool is None:
+            self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("fork"))
+        return list(self.pool.map(fn, tasks, chunksize=chunksize))
 
 
 def _raise_infeasible(target: Target, min_static: float, layouts: list[Layout], results: list) -> None:

@@ -7,8 +7,8 @@ recompute mode per PP rank) and the schedule (number of micro-batches and sends)
 
 - ``F`` = M · Σ over the rank's layers (fwd_s + forward collectives); ``B`` = M · Σ (bwd_input_s + bwd_weight_s +
   backward collectives), plus fwd_s under full recompute (selective recompute seconds are not in the plan);
-- ``OPTIMIZER`` = ``prediction.exposed_comm_s["dp"]`` (gradient reduce-scatter, parameter all-gather, Adam update:
-  the tail after the last backward, as ``passes/simulate.py`` prices it);
+- ``OPTIMIZER`` = ``prediction.exposed_comm_s["dp"] + prediction.optimizer_s`` (gradient reduce-scatter, parameter
+  all-gather, Adam update: the tail after the last backward, as ``passes/simulate.py`` prices it);
 - ``comm pp`` = ``prediction.exposed_comm_s["pp"]``, the simulated wait for p2p transfers; the measured figure is the
   time spent in RECV actions, which also holds the wait for the producing stage (pipeline bubble);
 - bytes per class: in-layer collectives M · Σ bytes; ``pp`` the p2p message bytes times the rank's SENDs; ``dp``
@@ -108,7 +108,7 @@ def predicted_rank(plan: Plan, pp_rank: int) -> dict[str, float]:
     if group > 1 and plan.layout.ep == 1:
         params = sum(plan.sharding.layers[kind_of(spec, n).value].params for n in _rank_layers(plan, pp_rank))
         out["bytes:dp"] = RUNTIME_BYTES * params * (1 + 1 / group)
-    out["OPTIMIZER"] = plan.prediction.exposed_comm_s.get("dp", 0.0)
+    out["OPTIMIZER"] = plan.prediction.exposed_comm_s.get("dp", 0.0) + plan.prediction.optimizer_s
     return dict(out)
 
 

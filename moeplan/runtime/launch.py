@@ -1,8 +1,11 @@
 """Launching a plan (DESIGN §7): checks before any process starts, local processes for the CPU emulator, the
 ``torchrun`` command for a cluster.
 
-- :func:`check_runnable` refuses, with one line (PlanError), a plan the runtime cannot execute: a layout the
-  process groups cannot realise, an action list that is not a complete, matched pipeline schedule, an expert
+- :func:`check_runnable` refuses, with one line (PlanError), a plan the runtime cannot execute: a schedule,
+  dispatcher, overlap mechanism or FP8 training it does not run yet (:func:`check_strategy`: it runs loop-placed
+  1F1B / interleaved / zero-bubble orders, the flat all-to-all, every collective synchronously, in fp32 or bf16),
+  a layout the process groups cannot realise, an action list that is not a complete, matched pipeline schedule, an
+  expert
   placement that does not cover the experts, a device count other than the launched world, a target backend this
   machine lacks. ``load_plan`` has already checked the schema version and the plan's consistency.
 - :func:`launch_local` starts ``num_devices`` processes of :mod:`moeplan.runtime.worker` on this machine with
@@ -126,6 +129,7 @@ def check_experts(plan: Plan) -> None:
 
 def check_runnable(plan: Plan, *, world_size: int | None = None, need_backend: bool = True) -> None:
     """Refuse a plan the runtime cannot execute here (see the module docstring); one-line PlanError."""
+    check_strategy(plan)
     check_layout_for_runtime(plan.layout)
     if len(plan.memory.ranks) != plan.layout.pp:
         raise PlanError(f"memory.ranks: {len(plan.memory.ranks)} entries for pp={plan.layout.pp} ranks")
@@ -135,6 +139,22 @@ def check_runnable(plan: Plan, *, world_size: int | None = None, need_backend: b
         raise PlanError(f"layout.num_devices={plan.layout.num_devices}: {world_size} processes were launched")
     if need_backend:
         check_backend(plan.target.backend)
+
+
+def check_strategy(plan: Plan) -> None:
+    """Raise PlanError for what moeplan's runtime does not execute yet (module docstring), naming the compile flag
+    that plans without it."""
+    if plan.stages.placement != "loop":
+        raise PlanError(f"schedule.kind={plan.schedule.kind!r}: the runtime runs loop-placed schedules (1f1b, "
+                        f"interleaved, zero-bubble); compile with --schedule")
+    if plan.comm.dispatcher != "flat":
+        raise PlanError(f"comm.dispatcher={plan.comm.dispatcher!r}: the runtime has the flat all-to-all only; "
+                        f"compile with --dispatcher flat")
+    if plan.comm.overlap:
+        raise PlanError(f"comm.overlap={plan.comm.overlap!r}: the runtime issues every collective synchronously; "
+                        f"compile with --overlap none")
+    if plan.target.training_dtype == "fp8":
+        raise PlanError("target.training_dtype='fp8': the runtime has no FP8 GEMMs; compile with --training-dtype bf16")
 
 
 def check_backend(backend: Literal["cpu", "cuda", "npu"]) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from moeplan.plan import load_plan, save_plan
+from moeplan.plan import load_plan, save_plan, SCHEMA_VERSION
 from moeplan.runtime.calibrate import LOADED_BYTES, LOADED_OPS, fit_alpha_launch
 from moeplan.runtime.data import stdlib_tokens
 from moeplan.targets import load_target
@@ -55,7 +55,7 @@ EDITS = {
     "layer_on_two_ranks": (lambda d: d["stages"]["chunks"][1][0].insert(0, "layers.0"),
                            "layer 'layers.0' is on pp rank 0 and pp rank 1"),
     "device_count": (lambda d: d["layout"].update(num_devices=4), "layout.num_devices=4: must equal"),
-    "schema_version": (lambda d: d.update(schema_version=2), "schema_version=2"),
+    "schema_version": (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), f"schema_version={SCHEMA_VERSION + 1}"),
     "missing_recv": (lambda d: d["schedule"]["actions"][1].remove("1RECV_F0"), "0SEND_F0 and 1RECV_F0"),
     "w_without_i": (_swap_first_b_for_w, "stage 0 micro-batch 0 has 1 F, 0 B, 0 I, 1 W"),
     "expert_twice": (lambda d: d["experts"].update(shards=[[0, 0, 1, 2, 3, 4, 5, 6]]), "every expert 0..7"),
@@ -92,7 +92,7 @@ def test_invalid_plans_are_refused_before_launch(pp2, name, monkeypatch, capsys)
 def test_refusal_exits_2_with_one_line_from_the_shell(pp2):
     proc = moeplan("run", _edited(pp2, "shell", lambda d: d.update(schema_version=0)), "--steps", "1")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "error: schema_version=0: this moeplan reads schema version 1"]
+        f"error: schema_version=0: this moeplan reads schema version {SCHEMA_VERSION}"]
 
 
 def test_devices_option_must_match_the_plan(pp2, monkeypatch, capsys):
