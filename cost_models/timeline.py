@@ -36,13 +36,17 @@ Model (one PP group; DP replicas and TP/EP peers are symmetric, so a collective 
 Outputs (:class:`Timeline`): step time (max end over all events); per-rank busy compute time and bubble
 ``1 − (busy + exposed communication + host waits) / step``, the time the compute stream idles for the pipeline
 alone (FACTS' bubble fraction, docs/step-model.md §4); peak live activations per rank; per comm class
-the total time of its collectives and the time the compute stream waited on them (exposed), per rank and averaged,
-over the step and in the steady state (the actions from a rank's first backward to its last forward); bytes per
+the total time of its collectives and the time the compute stream waited on them (exposed; the time a collective
+queued on its link behind another is that other's class's), per rank and averaged,
+over the step and in the steady state (a rank's overlapped F&B pairs, from its first to its last, when the schedule
+pairs them; else the actions from its first backward to its last forward); bytes per
 class and tier; per-rank busy intervals of each tier (the DP collectives of ``passes/simulate.py`` fill their
 gaps); the time compute waited on the host. Exposure: a compute segment that starts late because of a collective
 it needs charges the wait to that collective's class; a blocking collective charges the time it holds the compute
 stream; a wait for an input from another rank charges ``pp`` the part after the producer on the peer finished (the
-rest is pipeline bubble). With uniform single-segment stages 1F1B gives step ``(m + p − 1)(F + B)`` and bubble
+rest is pipeline bubble). In an overlapped pair, a wait on a collective while the pair's other part has not started
+for want of its input is that input's wait (the pipeline's, not the collective's: the mechanism had nothing to hide
+it under). With uniform single-segment stages 1F1B gives step ``(m + p − 1)(F + B)`` and bubble
 ``(p − 1)/(m + p − 1)`` — tests/test_timeline.py checks this and an independent DAG longest path.
 
 Errors: PlanError (a ValueError) for malformed actions, a RECV with no SEND (or a SEND with no RECV), a compute
@@ -239,11 +243,16 @@ class CommStats:
     @property
     def overlap_rate(self) -> float | None:
         """``1 − exposed / total`` (FACTS §4.4; docs/step-model.md §2), None when the class moved nothing."""
-        return 1 - self.exposed_s / self.total_s if self.total_s > 0 else None
+        return _rate(self.exposed_s, self.total_s)
 
     @property
     def steady_overlap_rate(self) -> float | None:
-        return 1 - self.steady_exposed_s / self.steady_total_s if self.steady_total_s > 0 else None
+        return _rate(self.steady_exposed_s, self.steady_total_s)
+
+
+def _rate(exposed: float, total: float) -> float | None:
+    """``1 − exposed / total`` rounded to 12 digits (sums of many waits leave float noise), None when nothing moved."""
+    return round(1 - exposed / total, 12) + 0.0 if total > 0 else None
 
 
 @dataclass(frozen=True)
@@ -392,7 +401,7 @@ class _Part:
     """One compute part (F, B, I or W of a stage and micro-batch) being scheduled on a rank."""
 
     __slots__ = ("key", "text", "prog", "ready", "produced", "remote", "overlapped", "in_steady", "host", "ends",
-                 "ptr", "pool", "start", "end")
+                 "ptr", "pool", "start", "end", "queued")
 
     def __init__(self, key: _Key, text: str, prog: _Prog, ready: float, produced: float, remote: bool,
                  overlapped: bool, in_steady: bool, host: float) -> None:
@@ -404,6 +413,7 @@ class _Part:
         self.ptr = 0
         self.pool: list[int] = []  # deferrable weight gradients waiting for a gap
         self.start, self.end = -1.0, 0.0
+        self.queued: dict[int, tuple[float, str]] = {}  # collective -> (its start, the class it queued behind)
 
     @property
     def finished(self) -> bool:
@@ -427,6 +437,7 @@ class _State:
     host: list[float] = field(default_factory=list)
     tier_free: list[dict[str, float]] = field(default_factory=list)
     prio_free: list[dict[str, float]] = field(default_factory=list)
+    tier_cls: list[dict[str, str]] = field(default_factory=list)  # class of the transfer a tier is busy with last
     inflight: list[list[tuple[float, float]]] = field(default_factory=list)
     busy: list[float] = field(default_factory=list)
     host_wait: list[float] = field(default_factory=list)
@@ -449,6 +460,7 @@ class _State:
         self.compute_free, self.host, self.busy, self.host_wait = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         self.tier_free = [{t: 0.0 for t in TIERS} for _ in range(n)]
         self.prio_free = [{t: 0.0 for t in TIERS} for _ in range(n)]
+        self.tier_cls = [{t: "" for t in TIERS} for _ in range(n)]
         self.inflight = [[] for _ in range(n)]
         self.stats = [{} for _ in range(n)]
         self.tier_busy = [{t: [] for t in TIERS} for _ in range(n)]
@@ -575,7 +587,7 @@ def _schedule(st: _State, r: int, parts: list[_Part], ctx: _Context, *, carry: b
                     p.pool.append(i)
                     continue
                 p.host += h
-                end, free = _issue_comm(st, r, p, i, max(p.dep(i)[0], p.host), free, ctx)
+                end, free = _issue_comm(st, r, p, i, p.dep(i)[0], p.host, free, ctx)
                 if prog.sync[i]:
                     p.host = max(p.host, end) + cfg.host_sync_s
                 _mark(st, r, p, i, end - prog.secs[i], end)
@@ -616,7 +628,7 @@ def _schedule(st: _State, r: int, parts: list[_Part], ctx: _Context, *, carry: b
         issue = p.host + h if prog.kernels[i] else p.host
         start = max(free, dep, issue)
         if dep > free and dep >= issue:
-            _charge_wait(st, r, p, dep_seg, free, dep)
+            _charge_wait(st, r, p, dep_seg, free, dep, parts)
         elif issue > max(free, dep):
             st.host_wait[r] += issue - max(free, dep)
         dur = prog.secs[i]
@@ -657,7 +669,7 @@ def _run_in_order(st: _State, r: int, p: _Part, ctx: _Context) -> None:
                 dep, dep_seg = ends[j], j
         if is_comm[i]:
             host += h
-            end, free = _issue_comm(st, r, p, i, dep if dep > host else host, free, ctx)
+            end, free = _issue_comm(st, r, p, i, dep, host, free, ctx)
             if sync[i]:
                 host = max(host, end) + cfg.host_sync_s
             ends[i] = end
@@ -737,7 +749,8 @@ def _send(st: _State, r: int, send: tuple[_Key, str, int], ready: float, free: f
     """Issue a SEND of ``ready``-produced activations or gradients on the PP link (a priority transfer)."""
     key, text, index = send
     cfg = ctx.cfg
-    start = _claim_tiers(st, r, [(cfg.p2p_tier, cfg.p2p_s)] if cfg.p2p_s > 0 else [], ready, priority=True)
+    start, _ = _claim_tiers(st, r, [(cfg.p2p_tier, cfg.p2p_s)] if cfg.p2p_s > 0 else [], ready, "pp",
+                            priority=True)
     end = start + cfg.p2p_s
     stat = st.stat(r, "pp")
     stat[0] += cfg.p2p_s
@@ -756,37 +769,49 @@ def _send(st: _State, r: int, send: tuple[_Key, str, int], ready: float, free: f
     return free
 
 
-def _claim_tiers(st: _State, r: int, busy: Sequence[tuple[str, float]], ready: float, *, priority: bool) -> float:
-    """Start time of a transfer that holds each (tier, seconds) of ``busy`` from ``ready``. A bulk transfer queues
-    behind the tier's earlier ones; a priority one (a PP transfer, the EP count exchange: short and waited on) only
-    behind other priority ones, and pushes the bulk queue back by its own time (the link's bytes are conserved,
-    as concurrent NCCL/HCCL streams share it)."""
-    start = ready
+def _claim_tiers(st: _State, r: int, busy: Sequence[tuple[str, float]], ready: float, cls: str, *,
+                 priority: bool) -> tuple[float, str]:
+    """(start time, the class it queued behind or "") of a transfer of class ``cls`` that holds each (tier,
+    seconds) of ``busy`` from ``ready``. A bulk transfer queues behind the tier's earlier ones; a priority one (a PP
+    transfer, the EP count exchange: short and waited on) only behind other priority ones, and pushes the bulk queue
+    back by its own time (the link's bytes are conserved, as concurrent NCCL/HCCL streams share it)."""
+    start, behind = ready, ""
     for t, _ in busy:
-        start = max(start, st.prio_free[r][t] if priority else st.tier_free[r][t])
+        free = st.prio_free[r][t] if priority else st.tier_free[r][t]
+        if free > start:
+            start, behind = free, st.tier_cls[r][t]
     for t, b in busy:
         if priority:
             st.prio_free[r][t] = start + b
             st.tier_free[r][t] = max(st.tier_free[r][t], start) + b
         else:
             st.tier_free[r][t] = start + b
+        st.tier_cls[r][t] = cls
         st.tier_busy[r][t].append((start, start + b))
-    return start
+    return start, behind
 
 
-def _issue_comm(st: _State, r: int, p: _Part, i: int, ready: float, free: float,
+def _issue_comm(st: _State, r: int, p: _Part, i: int, dep: float, host: float, free: float,
                 ctx: _Context) -> tuple[float, float]:
-    """Put collective ``i`` of part ``p`` on its tiers' streams from ``ready``; returns (its end, the compute
-    stream's free time, which a blocking collective pushes to its end)."""
+    """Put collective ``i`` of part ``p`` on its tiers' streams once its input is there (``dep``) and the host has
+    issued it (``host``); returns (its end, the compute stream's free time, which a blocking collective pushes to
+    its end)."""
     prog = p.prog
     blocking = not p.overlapped and prog.blocking[i]
+    ready = max(dep, host)
     if blocking:  # on the compute stream: it starts after the kernel issued before it
+        if host > max(dep, free):  # the stream idles until the host issues it
+            st.host_wait[r] += host - max(dep, free)
+            free = host
         ready = max(ready, free)
-    start = _claim_tiers(st, r, prog.busy[i], ready, priority=prog.sync[i])
+    cls = prog.cls[i]
+    start, behind = _claim_tiers(st, r, prog.busy[i], ready, cls, priority=prog.sync[i])
+    if behind:
+        p.queued[i] = (start, behind)
     secs = prog.secs[i]
     end = start + secs
     c = prog.segs[i].comm
-    stat = st.stat(r, prog.cls[i])
+    stat = st.stat(r, cls)
     stat[0] += secs
     stat[4] += c.wire_intra_bytes
     stat[5] += c.wire_inter_bytes
@@ -795,22 +820,46 @@ def _issue_comm(st: _State, r: int, p: _Part, i: int, ready: float, free: float,
     if ctx.cfg.compute_slowdown:
         st.inflight[r].append((start, end))
     if blocking and end > free:
-        stat[1] += end - free
-        if p.in_steady:
-            stat[3] += end - free
+        _charge_comm_wait(st, r, p, i, free, end)
         free = end
     return end, free
 
 
-def _charge_wait(st: _State, r: int, p: _Part, dep_seg: int, free: float, dep: float) -> None:
-    """Charge a compute segment's wait ``dep − free`` to the class it waited on (module docstring)."""
+def _charge_comm_wait(st: _State, r: int, p: _Part, i: int, free: float, until: float) -> None:
+    """Charge the compute stream's wait [``free``, ``until``] on collective ``i`` of ``p``: to the class it queued
+    behind on its link until it started, then to its own class."""
+    start, behind = p.queued.get(i, (free, ""))
+    if behind and start > free:
+        stat = st.stat(r, behind)
+        wait = min(start, until) - free
+        stat[1] += wait
+        if p.in_steady:
+            stat[3] += wait
+        free = min(start, until)
+    if until > free:
+        stat = st.stat(r, p.prog.cls[i])
+        stat[1] += until - free
+        if p.in_steady:
+            stat[3] += until - free
+
+
+def _charge_wait(st: _State, r: int, p: _Part, dep_seg: int, free: float, dep: float,
+                 others: Sequence[_Part] = ()) -> None:
+    """Charge a compute segment's wait ``dep − free`` to the class it waited on (module docstring). In an
+    overlapped pair (``others``: the parts scheduled together), while another part has not started because its
+    input from another rank is late, the idle is the pipeline's, not the collective's: that part was to run beside
+    it. That stretch is charged as that part's input wait."""
     if dep_seg >= 0:
         if not p.prog.is_comm[dep_seg]:
             return
-        stat = st.stat(r, p.prog.cls[dep_seg])
-        stat[1] += dep - free
-        if p.in_steady:
-            stat[3] += dep - free
+        late = [o for o in others if o is not p and o.start < 0 and o.ready > free]
+        if late:
+            o = max(late, key=lambda o: o.ready)
+            until = min(dep, o.ready)
+            _charge_wait(st, r, o, -1, free, until)
+            free = until
+        if dep > free:
+            _charge_comm_wait(st, r, p, dep_seg, free, dep)
         return
     if p.remote:
         wait = dep - max(free, p.produced)
@@ -834,7 +883,12 @@ def action_time_s(parts: Sequence[Sequence[Segment]], settings: RunSettings = Ru
 
 
 def _steady_window(rk: _Rank) -> tuple[int, int]:
-    """List indices [first action with a backward, last action with a forward] of a rank (empty when first > last)."""
+    """List indices [first, last] of a rank's steady state (empty when first > last): its OVERLAP_F_B pairs when it
+    has any (DualPipe's and the fb schedules' overlapped F&B phase), else from its first backward to its last
+    forward (1F1B's one-forward-one-backward phase)."""
+    pairs = [i for i, (kind, keys) in enumerate(zip(rk.kinds, rk.keys)) if kind == "compute" and len(keys) > 1]
+    if pairs:
+        return pairs[0], pairs[-1]
     first, last = len(rk.kinds), -1
     for i, (kind, keys) in enumerate(zip(rk.kinds, rk.keys)):
         if kind != "compute":
