@@ -10,8 +10,13 @@ time on one micro-batch including its in-layer communication (``shard``'s LayerC
 Min-max contiguous partition: the optimum is one of the O(n²) contiguous sums; binary search over them with the
 greedy feasibility test (fill a chunk until the bound would be exceeded) finds it exactly (the linear partition
 problem, Skiena, *The Algorithm Design Manual* §8.5). Chunks left empty by the greedy fill are split off the
-largest chunks, which never raises the maximum. The split does not look at which rank each stage lands on: with
-``vpp > 1`` one rank may get two of the heavier chunks (docs/step-model.md §4 says what that costs).
+largest chunks, which never raises the maximum.
+
+V placement (ZB-V, DualPipeV) puts both ends of the pipeline on rank 0 — the embedding's stage and the head's — and
+stage ``r`` with stage ``2·pp − 1 − r`` on rank ``r``, so the min-max split can leave one rank with two heavy
+chunks: in the steady state a rank runs each of its chunks once per micro-batch, and the busiest rank sets the pace.
+:func:`balance_ranks` then moves pieces off the busiest rank's stages while that lowers its total. (With the loop
+placement of interleaving the min-max split is kept: its ranks' totals differ by at most the chunk granularity.)
 
 Empty layers (MindSpeed ``--noop-layers``, FACTS §3): runtimes such as MindSpeed-LLM need the same number of
 decoder layers (dense, MoE, MTP block) in every chunk. The uniform mode gives every chunk ``capacity`` slots and
@@ -27,7 +32,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Sequence
 
 from moeplan.cost_models.timeline import RunSettings, action_time_s
 from moeplan.errors import LayoutError
@@ -91,6 +96,57 @@ def min_max_partition(times: list[float], num_chunks: int, *, slots: list[int] |
     return runs
 
 
+def balance_ranks(times: Sequence[float], runs: Sequence[int], *, pp: int, placement: Placement,
+                  slots: Sequence[int] | None = None, capacity: int | None = None) -> list[int]:
+    """Lower the busiest PP rank's total (the sum of its chunks, stages placed ``loop`` or ``v``) of a contiguous
+    split (``runs``: pieces per stage, in stage order). Local search: move one piece from a stage of the busiest rank
+    to any other stage, shifting the boundaries between them by one piece (every stage stays contiguous and
+    non-empty, and holds at most ``capacity`` decoder slots when given); of the moves that lower the busiest rank's
+    total, take the one with the least (busiest rank, slowest stage, sum of squared rank totals); repeat until none
+    does. Deterministic; at most ``len(times)·len(runs)`` moves."""
+    n, k = len(times), len(runs)
+    prefix = [0.0, *accumulate(times)]
+    sl = [0, *accumulate(slots)] if slots is not None else None
+    owner = [stage_rank(s, pp=pp, placement=placement) for s in range(k)]
+    bounds = [0, *accumulate(runs)]
+
+    def key(b: list[int]) -> tuple[float, float, float]:
+        stage = [prefix[b[s + 1]] - prefix[b[s]] for s in range(k)]
+        rank = [0.0] * pp
+        for s, t in enumerate(stage):
+            rank[owner[s]] += t
+        return (round(max(rank), 12), round(max(stage), 12), round(sum(x * x for x in rank), 12))
+
+    def valid(b: list[int], lo: int, hi: int) -> bool:
+        return all(b[s + 1] > b[s] and (sl is None or capacity is None or sl[b[s + 1]] - sl[b[s]] <= capacity)
+                   for s in range(lo, hi + 1))
+
+    best = key(bounds)
+    for _ in range(n * k):
+        rank_t = [0.0] * pp
+        for s in range(k):
+            rank_t[owner[s]] += prefix[bounds[s + 1]] - prefix[bounds[s]]
+        busiest = max(range(pp), key=lambda r: rank_t[r])
+        move = None
+        for src in (s for s in range(k) if owner[s] == busiest):
+            for dst in range(k):
+                if dst == src:
+                    continue
+                b = bounds[:]
+                lo, hi = min(src, dst), max(src, dst)
+                for j in range(lo + 1, hi + 1):  # the boundaries between src and dst shift one piece toward dst
+                    b[j] += -1 if dst > src else 1
+                if not valid(b, lo, hi):
+                    continue
+                cand = key(b)
+                if cand[0] < best[0] and (move is None or cand < move[0]):
+                    move = (cand, b)
+        if move is None:
+            break
+        best, bounds = move
+    return [bounds[s + 1] - bounds[s] for s in range(k)]
+
+
 def _greedy(times: list[float], slots: list[int], bound: float, capacity: int) -> list[int]:
     runs, acc, used, count = [], 0.0, 0, 0
     for t, sl in zip(times, slots):
@@ -125,11 +181,16 @@ class PartitionStagesPass:
         per_kind = {k: piece_time_s(c, settings) for k, c in costs.items()}
         times = [per_kind[k] for _, k in layers]
         slots = [int(k in SLOT_KINDS) for _, k in layers]
+        placement = placement_of(state.strategy.schedule)
         free = min_max_partition(times, pp * vpp)
         assert free is not None
+        if placement == "v":
+            free = balance_ranks(times, free, pp=pp, placement=placement)
         runs, capacity, note = free, None, ""
         if self.layer_layout != "free":
             uniform, cap = _uniform(times, slots, pp * vpp)
+            if uniform is not None and placement == "v":
+                uniform = balance_ranks(times, uniform, pp=pp, placement=placement, slots=slots, capacity=cap)
             if uniform is None and self.layer_layout == "uniform":
                 raise LayoutError(f"layer_layout='uniform': {sum(slots)} decoder layers cannot be spread "
                                   f"{cap} per chunk over {pp * vpp} chunks")
@@ -140,7 +201,6 @@ class PartitionStagesPass:
                 else:
                     note = (f"equal counts ({cap} per chunk, {cap * pp * vpp - sum(slots)} empty layers) would "
                             f"make the slowest chunk {slowdown:+.1%} slower")
-        placement = placement_of(state.strategy.schedule)
         stage_names, stage_times, empties, start = [], [], [], 0
         for r in runs:
             names = [n for n, _ in layers[start:start + r]]
