@@ -51,6 +51,7 @@ class Result:
     predicted_s: float
     assumptions: tuple[str, ...]
     breakdown: dict
+    config_source: str = ""
 
     @property
     def error(self) -> float:
@@ -139,7 +140,9 @@ def predict(run: dict) -> Result:
         "peak_memory_gib": max(m.total_bytes for m in state.memory.stages) / 2**30,
         "comm": {c: {"total_s": v["total_s"], "exposed_s": v["exposed_s"], "steady_overlap_rate":
                      v["steady_overlap_rate"]} for c, v in p.comm.items() if v["total_s"]}}
-    return Result(run["id"], run.get("group"), measured_step_s(run, spec), p.step_time_s, tuple(notes), breakdown)
+    source = (run.get("config_source") or "").split(":", 1)[0]  # the repository and commit; the YAML has the rest
+    return Result(run["id"], run.get("group"), measured_step_s(run, spec), p.step_time_s, tuple(notes), breakdown,
+                  source)
 
 
 def dense_runs() -> list[dict]:
@@ -232,6 +235,8 @@ def main() -> None:
             print(f"{'':50s} MFU {b['mfu']:.1%} bubble {b['bubble']:.1%} host {b['host_wait_s']:.2f}s "
                   f"opt {b['optimizer_s']:.2f}s mem {b['peak_memory_gib']:.0f} GiB{'' if b['memory_fits'] else ' (!)'}"
                   f"  exposed/total: {comm}")
+        if r.config_source:
+            print(f"{'':50s} config: {r.config_source}")
         for n in r.assumptions:
             print(f"{'':50s} assumed: {n}")
     for g, rs in groups.items():
