@@ -243,14 +243,14 @@ class CommStats:
     @property
     def overlap_rate(self) -> float | None:
         """``1 − exposed / total`` (FACTS §4.4; docs/step-model.md §2), None when the class moved nothing."""
-        return _rate(self.exposed_s, self.total_s)
+        return overlap_rate_of(self.exposed_s, self.total_s)
 
     @property
     def steady_overlap_rate(self) -> float | None:
-        return _rate(self.steady_exposed_s, self.steady_total_s)
+        return overlap_rate_of(self.steady_exposed_s, self.steady_total_s)
 
 
-def _rate(exposed: float, total: float) -> float | None:
+def overlap_rate_of(exposed: float, total: float) -> float | None:
     """``1 − exposed / total`` rounded to 12 digits (sums of many waits leave float noise), None when nothing moved."""
     return round(1 - exposed / total, 12) + 0.0 if total > 0 else None
 
@@ -438,6 +438,7 @@ class _State:
     tier_free: list[dict[str, float]] = field(default_factory=list)
     prio_free: list[dict[str, float]] = field(default_factory=list)
     tier_cls: list[dict[str, str]] = field(default_factory=list)  # class of the transfer a tier is busy with last
+    prio_cls: list[dict[str, str]] = field(default_factory=list)  # the same among priority transfers
     inflight: list[list[tuple[float, float]]] = field(default_factory=list)
     busy: list[float] = field(default_factory=list)
     host_wait: list[float] = field(default_factory=list)
@@ -461,6 +462,7 @@ class _State:
         self.tier_free = [{t: 0.0 for t in TIERS} for _ in range(n)]
         self.prio_free = [{t: 0.0 for t in TIERS} for _ in range(n)]
         self.tier_cls = [{t: "" for t in TIERS} for _ in range(n)]
+        self.prio_cls = [{t: "" for t in TIERS} for _ in range(n)]
         self.inflight = [[] for _ in range(n)]
         self.stats = [{} for _ in range(n)]
         self.tier_busy = [{t: [] for t in TIERS} for _ in range(n)]
@@ -627,9 +629,9 @@ def _schedule(st: _State, r: int, parts: list[_Part], ctx: _Context, *, carry: b
         prog = p.prog
         issue = p.host + h if prog.kernels[i] else p.host
         start = max(free, dep, issue)
-        if dep > free and dep >= issue:
+        if dep > free:  # waiting for an input; a host later still is charged for the rest
             _charge_wait(st, r, p, dep_seg, free, dep, parts)
-        elif issue > max(free, dep):
+        if issue > max(free, dep):
             st.host_wait[r] += issue - max(free, dep)
         dur = prog.secs[i]
         if slow and inflight:
@@ -680,11 +682,11 @@ def _run_in_order(st: _State, r: int, p: _Part, ctx: _Context) -> None:
             continue
         issue = host + h if kernels[i] else host
         start = free if free >= dep else dep
+        if dep > free:
+            _charge_wait(st, r, p, dep_seg, free, dep)
         if issue > start:
             host_wait += issue - start
             start = issue
-        elif dep > free:
-            _charge_wait(st, r, p, dep_seg, free, dep)
         dur = secs[i]
         if slow and inflight:
             dur += slow * _overlap_len(start, start + dur, inflight)
@@ -779,10 +781,11 @@ def _claim_tiers(st: _State, r: int, busy: Sequence[tuple[str, float]], ready: f
     for t, _ in busy:
         free = st.prio_free[r][t] if priority else st.tier_free[r][t]
         if free > start:
-            start, behind = free, st.tier_cls[r][t]
+            start, behind = free, (st.prio_cls if priority else st.tier_cls)[r][t]
     for t, b in busy:
         if priority:
             st.prio_free[r][t] = start + b
+            st.prio_cls[r][t] = cls
             st.tier_free[r][t] = max(st.tier_free[r][t], start) + b
         else:
             st.tier_free[r][t] = start + b

@@ -39,7 +39,8 @@ from typing import ClassVar, Mapping, Sequence
 
 from moeplan.cost_models.comm import collective_time_s, group_tier
 from moeplan.cost_models.memory import GRAD_BYTES, PARAM_BYTES
-from moeplan.cost_models.timeline import RunSettings, StageProgram, Timeline, compact, concat_segments, simulate
+from moeplan.cost_models.timeline import (RunSettings, StageProgram, Timeline, compact, concat_segments,
+                                         overlap_rate_of, simulate)
 from moeplan.flops import flops_per_token
 from moeplan.ir import kind_of
 from moeplan.passes.plan_memory import saved_bytes
@@ -301,7 +302,7 @@ def _comm_summary(tl: Timeline, dp: Sequence[Sequence[DpCollective]], exposure: 
     total = sum(o.time_s for ops in dp for o in ops) / pp
     exposed = sum(a + b for a, b in exposure) / pp
     out["dp"] = {"total_s": total, "exposed_s": exposed,
-                 "overlap_rate": 1 - exposed / total if total > 0 else None,
+                 "overlap_rate": overlap_rate_of(exposed, total),
                  "steady_total_s": 0.0, "steady_exposed_s": 0.0, "steady_overlap_rate": None,
                  "intra_bytes": sum(o.wire_bytes for ops in dp for o in ops if o.tier == "intra") / pp,
                  "inter_bytes": sum(o.wire_bytes for ops in dp for o in ops if o.tier == "inter") / pp}

@@ -208,6 +208,20 @@ def test_host_sync_exposes_launch_costs():
     assert t == pytest.approx(1.5)
 
 
+def test_a_wait_on_a_collective_then_on_a_late_host_is_charged_to_both():
+    """Host 0.1 s per kernel, sync 0.3 s: a (0.1–1.1) → counts (asynchronous, 1.1–1.6, the host syncs on it) → b.
+    The compute stream idles 1.1–2.0: the first 0.5 s for the collective (ep), the next 0.4 s for the host (its sync
+    until 1.9, then b's launch), so nothing of the wait is left over as bubble."""
+    segs = (compute("a", 1.0), collective("counts", 0.5, (0,), async_by="native", host_sync=True),
+            compute("b", 0.1, (1,)))
+    t = simulate([["0F0", "0B0"]], stages=[stage_of(segs, (compute("dx", 1.0, kernels=0),))],
+                 settings=RunSettings(mechanisms=frozenset(), host_launch_s=0.1, host_sync_s=0.3))
+    assert t.step_time_s == pytest.approx(2.1 + 1.0)
+    assert t.comm["ep"].exposed_s == pytest.approx(0.5)
+    assert t.host_wait_s[0] == pytest.approx(0.1 + 0.4)  # a's own launch at the start, then the 0.4 s
+    assert t.bubble == pytest.approx(0.0)
+
+
 def test_compute_slows_while_a_collective_runs_beside_it():
     """Slowdown 0.5: the shared expert's 0.4 s lies inside the dispatch [1.0, 1.5] and takes 0.6, ending at 1.6, so
     the experts (which waited for the dispatch until 1.5) start 0.1 later; nothing else overlaps a collective."""
