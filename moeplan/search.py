@@ -38,7 +38,7 @@ from moeplan.errors import InfeasibleError, LayoutError
 from moeplan.ir import LayerKind, ModelGraph, named_layers
 from moeplan.layout import Layout, check_layout
 from moeplan.passes.plan_memory import MODES, saved_bytes
-from moeplan.passes.schedule import in_flight_bound, placement_of, schedule_fits, stage_rank
+from moeplan.passes.schedule import FB_PAIRED, in_flight_bound, placement_of, schedule_fits, stage_rank
 from moeplan.passes.simulate import adam_s, dp_sync_s, recompute_work
 from moeplan.passes.shard import layer_cost
 from moeplan.state import Dispatcher, Mechanism, PlanState, ScheduleKind, Strategy
@@ -259,7 +259,7 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
     f, w = load * cost.fwd, load * cost.bwd_weight
     i = load * (cost.bwd_input + cost.recompute_s[mode])
     pair = load * (cost.pair + cost.recompute_s[mode])
-    pairs = max(0, m - pp) if fb else 0
+    pairs = max(0, m - pp) if fb and strategy.schedule in FB_PAIRED else 0
     work = (m - pairs) * (f + i + w) + pairs * pair
     kind = strategy.schedule
     if kind == "1f1b":
@@ -304,7 +304,7 @@ def _applies(mechanism: str, kind: str, layout: Layout, graph: ModelGraph) -> bo
     if mechanism == "shared-expert":
         return ep and graph.spec.num_shared_experts > 0
     if mechanism == "fb":
-        return kind in ("1f1b", "interleaved", "dualpipev") and layout.num_microbatches > layout.pp
+        return kind in FB_PAIRED and layout.num_microbatches > layout.pp
     if mechanism == "pp":
         return layout.pp > 1
     return layout.dp * layout.cp > 1
@@ -461,8 +461,11 @@ def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
     graph, target, counts = _SHARED["graph"], _SHARED["target"], _SHARED["counts"]
     cache = _SHARED.setdefault("costs", {})  # per process: forked workers each keep their own
     out = []
+    costs: dict[frozenset, ModelCost] = {}  # the options of one shape differ in their overlap sets only
     for lay, st, params in options:
-        cost = _model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache)
+        cost = costs.get(st.overlap)
+        if cost is None:
+            cost = costs[st.overlap] = _model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache)
         est = estimate_step(lay, st, cost, weights=_SHARED["weights"], params=params, target=target)
         out.append(((not est.fits, est.step_s), lay, st))
     return out
