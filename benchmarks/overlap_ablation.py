@@ -1,8 +1,10 @@
 """What each overlap mechanism buys on a MoE step: the dispatcher and the mechanisms added one at a time.
 
 For Pangu Ultra MoE 718B on 6144 Ascend 910B at its reported layout (TP 8, PP 16, VPP 2, EP 4 with TP-extend-EP,
-micro-batch 2; FACTS §1) and DeepSeek-V3 on 2048 H800 at its published layout (PP 16, EP 64, no TP, FP8 GEMMs,
-recompute of norms and MLA up-projections; 15360 × 4096 tokens), with the layout fixed, each row adds one step:
+micro-batch 2; FACTS §1) and DeepSeek-V3 on 2048 H800 at its published layout (PP 16, EP 64, no TP, FP8 GEMMs;
+15360 × 4096 tokens; DeepSeek recomputes its norms and MLA up-projections, which no whole-layer mode expresses, so
+moeplan's ``selective`` — norms, activations, core attention — stands in), with the layout fixed, each row adds one
+step:
 
 1. flat all-to-all dispatch, the baseline schedule — the 718B's interleaved 1F1B over its two chunks per rank;
    DeepSeek-V3's 1F1B with one chunk per rank (its 120 micro-batches per step do not divide by PP 16, which

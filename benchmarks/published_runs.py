@@ -243,6 +243,9 @@ def main() -> None:
         print(f"group {g}: measured order {_order(rs, 'measured_s')}")
         print(f"{'':6s}{' ' * len(g)}  predicted order {_order(rs, 'predicted_s')}  "
               f"{'SAME' if summary['groups_in_order'][g] else 'DIFFERENT'}")
+    if not results:
+        print("no runs selected")
+        return
     print(f"{summary['runs']} runs: median |error| {summary['median_abs_error']:.1%}, max |error| "
           f"{summary['max_abs_error']:.1%}; {time.perf_counter() - t0:.0f} s")
 
