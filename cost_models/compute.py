@@ -1,4 +1,4 @@
-"""Compute cost model: seconds per operator on one device of a target (DESIGN §5, "compute").
+"""Compute cost model: seconds per operator on one device of a target (docs/architecture.md §5, "compute").
 
 An operator runs on the matrix unit (``cube``: Ascend cube / NVIDIA tensor cores) or on the ``vector`` unit. Its
 time is a roofline plus a fixed launch cost::
@@ -8,7 +8,7 @@ time is a roofline plus a fixed launch cost::
 
 ``peak(cube)`` is ``target.cube_flops`` (dense bf16), ``peak(vector)`` is ``target.vector_flops``; the efficiencies
 and the launch costs (``launch.matmul_s`` for cube ops, ``launch.other_s`` otherwise) are the target's (defaults from
-Huawei's Ascend/msmodeling: compute 0.7, memory 0.6, 5 µs matmul, 2 µs other; FACTS §2). An op with no FLOPs and no
+Huawei's Ascend/msmodeling: compute 0.7, memory 0.6, 5 µs matmul, 2 µs other; docs/references.md §2). An op with no FLOPs and no
 bytes (a view, a reshape) costs nothing and launches no kernel.
 
 Launch granularity is a property of the target's runtime (``Target.launch.granularity``, targets/__init__.py): on
@@ -76,7 +76,7 @@ def _padded_dim(dim: int, *, alignment: int) -> int:
 def matmul_efficiency(mnk: tuple[int, int, int] | None, *, alignment: int) -> float:
     """Fraction of the matrix unit's work that is useful for a GEMM of shape (M, N, K), in (0, 1].
 
-    Padded-tile model: the unit computes whole ``alignment``-sized tiles (16×16×16 on Ascend's cube, FACTS §2), so
+    Padded-tile model: the unit computes whole ``alignment``-sized tiles (16×16×16 on Ascend's cube, docs/references.md §2), so
     a dim ``d`` costs as much as ``ceil(d / a) · a``; and each dim occupies at least one macro tile of
     ``MIN_TILE_ALIGNMENTS · a`` elements (small GEMMs under-fill the unit)::
 
@@ -135,7 +135,7 @@ def op_time_s(*, flops: float, bytes_moved: float, unit: Unit, mnk: tuple[int, i
     """Seconds one device of ``target`` spends on an op of ``flops`` FLOPs that moves ``bytes_moved`` HBM bytes.
 
     ``max(flops / (peak(unit) · efficiency.compute · matmul_efficiency(mnk)), bytes / (hbm_bw · efficiency.memory))
-    + launch`` (DESIGN §5; roofline, Williams et al. 2009). The alignment factor applies to ``cube`` ops only; the
+    + launch`` (docs/architecture.md §5; roofline, Williams et al. 2009). The alignment factor applies to ``cube`` ops only; the
     launch is ``launch.matmul_s`` for cube ops and ``launch.other_s`` for vector ops, unless ``launch_s`` gives it
     (the per-kernel launch of an eager target). 0 FLOPs and 0 bytes cost 0 plus an explicit ``launch_s``.
 

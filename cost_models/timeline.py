@@ -1,4 +1,4 @@
-"""Timeline: a discrete-event simulation of one PP group's training step (DESIGN §5 "timeline"; docs/step-model.md §2).
+"""Timeline: a discrete-event simulation of one PP group's training step (docs/architecture.md §5 "timeline"; docs/step-model.md §2).
 
 Input: one action list per PP rank in ``torch.distributed.pipelining``'s notation: ``{stage}F{mb}``,
 ``{stage}B{mb}`` (full backward), ``{stage}I{mb}`` / ``{stage}W{mb}`` (input / weight gradient),
@@ -35,7 +35,7 @@ Model (one PP group; DP replicas and TP/EP peers are symmetric, so a collective 
 
 Outputs (:class:`Timeline`): step time (max end over all events); per-rank busy compute time and bubble
 ``1 − (busy + exposed communication + host waits) / step``, the time the compute stream idles for the pipeline
-alone (FACTS' bubble fraction, docs/step-model.md §4); peak live activations per rank; per comm class
+alone (the bubble fraction of docs/references.md §4.3, docs/step-model.md §4); peak live activations per rank; per comm class
 the total time of its collectives and the time the compute stream waited on them (exposed; the time a collective
 queued on its link behind another is that other's class's), per rank and averaged,
 over the step and in the steady state (a rank's overlapped F&B pairs, from its first to its last, when the schedule
@@ -242,7 +242,7 @@ class CommStats:
 
     @property
     def overlap_rate(self) -> float | None:
-        """``1 − exposed / total`` (FACTS §4.4; docs/step-model.md §2), None when the class moved nothing."""
+        """``1 − exposed / total`` (docs/references.md §4.4; docs/step-model.md §2), None when the class moved nothing."""
         return overlap_rate_of(self.exposed_s, self.total_s)
 
     @property

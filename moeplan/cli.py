@@ -1,7 +1,7 @@
 """The ``moeplan`` command line: compile, describe, simulate, schema.
 
 Errors in user input exit 2 and a plan that cannot fit exits 3, each with one line on stderr and no traceback
-(DESIGN §8.7); output files are written atomically.
+(docs/architecture.md §8.7); output files are written atomically.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The compiler driver: runs a pipeline of passes over a PlanState (DESIGN §4).
+"""The compiler driver: runs a pipeline of passes over a PlanState (docs/architecture.md §4).
 
 A pipeline is data — a comma-separated list of pass names, each with options in braces as xDSL and MLIR write them
 (``shard,partition-stages{layer_layout=free},…,plan-memory{budget_fraction=0.9,enforce=false},simulate``) —

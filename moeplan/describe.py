@@ -2,10 +2,10 @@
 
 The CLI renders a :class:`ModelDescription` and emits its JSON keys ``params_total``, ``params_activated``,
 ``params_mtp`` and ``flops_per_token``. Conventions (stated so the figures are not misread): ``params_total`` and
-``params_activated`` exclude MTP; ``params_activated`` counts the embedding AND the output matrix (FACTS §1 quotes
+``params_activated`` exclude MTP; ``params_activated`` counts the embedding AND the output matrix (docs/references.md §1 quotes
 Pangu Ultra MoE's 39.2B "counting one vocab matrix"; ``params_activated_one_vocab`` gives that figure);
 ``params_mtp`` is the MTP modules' own parameters without their embedding / output-layer copies;
-``flops_per_token`` is Megatron-LM's model-FLOPs count (FACTS §4.1: forward + backward, causal, no MTP) and
+``flops_per_token`` is Megatron-LM's model-FLOPs count (docs/references.md §4.1: forward + backward, causal, no MTP) and
 ``traced_flops_per_token`` the same quantity summed from the traced graph (it also counts the router GEMM).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Error types of moeplan (DESIGN §8.7).
+"""Error types of moeplan (docs/architecture.md §8.7).
 
 User input errors are ``ValueError`` subclasses; the CLI maps them to exit code 2. A plan that cannot fit raises
 ``InfeasibleError`` (exit code 3). Every message names the field, the given value and the rule.

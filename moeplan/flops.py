@@ -1,4 +1,4 @@
-"""Closed-form model FLOPs (FACTS §4.1) and exact parameter counts from a :class:`ModelSpec`.
+"""Closed-form model FLOPs (docs/references.md §4.1) and exact parameter counts from a :class:`ModelSpec`.
 
 FLOPs follow Megatron-LM ``num_floating_point_operations`` (megatron/training/training.py, the MLA and GQA
 branches), per token, forward + backward (3× a GEMM's forward: forward, dX, dW), causal attention (half the score
@@ -9,7 +9,7 @@ modules (work the hardware does, for HFU).
 
 Parameter counts mirror :mod:`moeplan.models` exactly (tests compare them with the built model's ``numel``):
 ``total`` and ``activated`` exclude MTP; ``activated`` is every non-routed-expert parameter (the embedding AND the
-output matrix included) plus ``top_k`` routed experts per MoE layer. FACTS §1 quotes Pangu Ultra MoE at 39.2B
+output matrix included) plus ``top_k`` routed experts per MoE layer. docs/references.md §1 quotes Pangu Ultra MoE at 39.2B
 activated "counting one vocab matrix"; this module counts both (≈40.4B) — :attr:`ParamCounts.output` is the
 difference.
 """
@@ -99,7 +99,7 @@ def count_params(spec: ModelSpec) -> ParamCounts:
 
 # ---- FLOPs ---------------------------------------------------------------------------------------------------------
 def attention_flops_per_token(spec: ModelSpec, *, seq_len: int) -> float:
-    """One attention layer, forward + backward, per token, causal (FACTS §4.1; Megatron MLA / GQA terms)."""
+    """One attention layer, forward + backward, per token, causal (docs/references.md §4.1; Megatron MLA / GQA terms)."""
     h, n, s = spec.hidden_size, spec.num_heads, seq_len
     if spec.attention == "gqa":
         q, kv = n * spec.head_dim, spec.num_kv_heads * spec.head_dim
@@ -145,7 +145,7 @@ def flop_breakdown(spec: ModelSpec, *, seq_len: int, include_mtp: bool = False) 
 
 
 def flops_per_token(spec: ModelSpec, *, seq_len: int) -> float:
-    """Model FLOPs per token (forward + backward, causal, no MTP): the MFU numerator (FACTS §4.1)."""
+    """Model FLOPs per token (forward + backward, causal, no MTP): the MFU numerator (docs/references.md §4.1)."""
     return flop_breakdown(spec, seq_len=seq_len).total
 
 

@@ -1,4 +1,4 @@
-"""The IR: a traced model as one fx graph per layer kind, with a typed annotation per compute node (DESIGN §3).
+"""The IR: a traced model as one fx graph per layer kind, with a typed annotation per compute node (docs/architecture.md §3).
 
 Layers of one kind are identical, so only one layer per kind is traced and annotated; the model is the sequence
 ``ModelGraph.layer_sequence`` of kinds. All costs are for ONE sequence (batch 1) of ``ModelGraph.seq_len`` tokens,
@@ -62,7 +62,7 @@ class OpAnnotation:
     weight-gradient (dW, "W") part of backward. ``saved_bytes`` counts tensors autograd keeps for backward that this
     node creates internally; ``saved_inputs`` names the producer nodes whose outputs it keeps (count those once per
     layer: two consumers of one tensor save it once). ``matmul_mnk`` is (M, N, K) of the dominant GEMM for alignment
-    efficiency, or None. ``causal`` marks attention whose FLOPs were halved for the causal mask (FACTS §4.1).
+    efficiency, or None. ``causal`` marks attention whose FLOPs were halved for the causal mask (docs/references.md §4.1).
     ``fwd_kernels`` / ``bwd_input_kernels`` / ``bwd_weight_kernels``: aten ops eager PyTorch dispatches for the
     node's forward, its dX and its dW (counted at trace time below autograd, moeplan/trace.py); a target whose
     ``launch.granularity`` is ``"kernel"`` (an eager runtime) pays its launch cost per kernel, one independent of the

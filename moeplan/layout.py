@@ -1,4 +1,4 @@
-"""Parallel layouts: how the devices are split (DESIGN §4, "Layout search").
+"""Parallel layouts: how the devices are split (docs/architecture.md §4, "Layout search").
 
 Rank order is TP innermost, then CP, then DP, then PP (Megatron-LM's default ``tp-cp-ep-dp-pp``), so a group's link
 tier follows from its stride: TP has stride 1, CP stride ``tp``, DP stride ``tp·cp``, PP stride ``tp·cp·dp``.
@@ -56,7 +56,7 @@ class Layout:
 
     @property
     def expert_dp(self) -> int:
-        """Expert data-parallel degree, ``world / (pp · ep · tp)`` (FACTS §4.2)."""
+        """Expert data-parallel degree, ``world / (pp · ep · tp)`` (docs/references.md §4.2)."""
         return self.cp * self.dp // self.ep
 
     @property

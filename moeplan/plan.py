@@ -1,4 +1,4 @@
-"""The plan: a versioned pydantic schema saved as YAML (DESIGN §6). The single source of truth for the runtime,
+"""The plan: a versioned pydantic schema saved as YAML (docs/architecture.md §6). The single source of truth for the runtime,
 the TUI and the exporters.
 
 ``save_plan`` writes atomically (temp file + rename); ``load_plan`` reads with ``yaml.safe_load``, validates the
@@ -24,7 +24,7 @@ from moeplan.targets import Target
 
 SCHEMA_VERSION = 2
 MFU_DEFINITION = ("MFU = model FLOPs/s ÷ (devices × peak bf16 FLOP/s); model FLOPs per token by Megatron-LM's causal "
-                  "count without MTP (FACTS §4.1)")
+                  "count without MTP (docs/references.md §4.1)")
 # libyaml's C implementations of the *safe* dumper and loader when present (same rules, ~10x faster)
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

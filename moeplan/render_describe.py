@@ -7,7 +7,7 @@ from rich.table import Table
 from moeplan.describe import ModelDescription
 from moeplan.spec import ModelSpec
 
-FLOPS_NOTE = "Megatron-LM causal count, forward + backward, without MTP (FACTS §4.1)"
+FLOPS_NOTE = "Megatron-LM causal count, forward + backward, without MTP (docs/references.md §4.1)"
 
 
 def human(x: float, unit: str = "") -> str:

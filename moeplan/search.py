@@ -1,5 +1,5 @@
 """Layout search: enumerate layouts and strategies, prune cheaply, run the pass pipeline on the best survivors
-(DESIGN §4).
+(docs/architecture.md §4).
 
 1. **Enumerate** every (tp, cp, pp, vpp, ep, etp, micro_batch) whose product with dp fits the device count, within
    the degrees the user fixed; ``etp`` is ``tp`` (expert-TP) or 1 (TP-extend-EP).

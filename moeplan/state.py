@@ -1,4 +1,4 @@
-"""PlanState: the frozen state the compiler passes read and extend (DESIGN §4).
+"""PlanState: the frozen state the compiler passes read and extend (docs/architecture.md §4).
 
 Each pass takes a PlanState and returns a new one with its decision filled in (``dataclasses.replace``). The
 decisions are plain frozen dataclasses of numbers and names; times are seconds, sizes bytes.
@@ -102,7 +102,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class LayerProgram:
-    """One layer for one micro-batch on one device as three ordered segment lists (DESIGN §5 "timeline"): the
+    """One layer for one micro-batch on one device as three ordered segment lists (docs/architecture.md §5 "timeline"): the
     forward, the input-gradient pass (dX, "I") and the weight-gradient pass (dW, "W"). Indices in ``after`` refer to
     the same list, except the weight pass's, which point into the input-gradient list (a weight gradient needs
     what its dX received)."""
@@ -263,7 +263,7 @@ class Prediction:
     """What the timeline simulation predicts for one training step.
 
     MFU = model FLOPs per second / (devices × peak cube FLOP/s), model FLOPs by Megatron-LM's causal count without
-    MTP (FACTS §4.1); HFU counts the FLOPs actually executed (recompute, MTP, router included).
+    MTP (docs/references.md §4.1); HFU counts the FLOPs actually executed (recompute, MTP, router included).
     """
 
     step_time_s: float

@@ -1,4 +1,4 @@
-"""Trace the model into the IR (DESIGN §3): one fx graph per layer kind on the meta device, one annotation per node.
+"""Trace the model into the IR (docs/architecture.md §3): one fx graph per layer kind on the meta device, one annotation per node.
 
 For each layer kind present (embedding, dense, moe, mtp, mtp_head, head) one piece is built on meta in bf16
 (activations 2 bytes), traced with a ``torch.fx.Tracer`` that keeps :data:`moeplan.models.TRACER_LEAVES` whole
@@ -25,7 +25,7 @@ bytes are the kernel's, not the fp32 copies of the composite op.
 
 Attention: on meta, ``scaled_dot_product_attention`` decomposes into two batched matmuls over the FULL score
 matrix, so the counter reports non-causal FLOPs, and its backward exactly twice that (no recompute). Both are
-halved for the causal mask (``causal=True``), matching Megatron-LM's count (FACTS §4.1). The math path would save
+halved for the causal mask (``causal=True``), matching Megatron-LM's count (docs/references.md §4.1). The math path would save
 the ``s × s`` probabilities, which no production kernel keeps: the saved set of attention is measured on
 :meth:`CoreAttention.fused_kernel` (memory-efficient attention: q, k, v, output, logsumexp) instead.
 
@@ -266,7 +266,7 @@ class _CostProp(ShapeProp):
             result = super().run_node(n)
         if n.op in _COMPUTE_OPS:
             annotation = self._annotate(n)
-            n.meta["moeplan"] = annotation  # DESIGN §3: the typed annotation also rides on the node
+            n.meta["moeplan"] = annotation  # docs/architecture.md §3: the typed annotation also rides on the node
             self.ops.append(annotation)
         return result
 

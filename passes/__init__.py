@@ -1,4 +1,4 @@
-"""Compiler passes, one per file (DESIGN §4); installed as ``moeplan.passes``."""
+"""Compiler passes, one per file (docs/architecture.md §4); installed as ``moeplan.passes``."""
 from moeplan.passes.partition_stages import PartitionStagesPass
 from moeplan.passes.place_experts import PlaceExpertsPass
 from moeplan.passes.plan_memory import PlanMemoryPass

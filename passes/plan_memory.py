@@ -7,7 +7,7 @@ recompute, arXiv 2205.05198 §5), ``full`` (keep only each layer's input; Chen e
 memory is its model states (cost_models/memory.py, distributed optimizer) plus the peak of live activations
 walked over the rank's action list from the ``schedule`` pass (which it requires: the in-flight micro-batches are
 the schedule's) plus the largest op workspace. The per-operator keep/recompute/swap ILP
-replaces this pass later (DESIGN §4).
+replaces this pass later (docs/architecture.md §4).
 
 Raises InfeasibleError, naming the per-device memory needed, when even full recompute (or the fixed mode) does not
 fit.

@@ -1,4 +1,4 @@
-"""Pass ``schedule``: per-rank pipeline action lists (DESIGN §4, §6; docs/step-model.md §4).
+"""Pass ``schedule``: per-rank pipeline action lists (docs/architecture.md §4, §6; docs/step-model.md §4).
 
 Actions use ``torch.distributed.pipelining``'s notation (``_Action.from_str``): ``{stage}F{mb}``, ``{stage}B{mb}``,
 ``{stage}I{mb}`` / ``{stage}W{mb}`` (backward split into input and weight gradients), ``({s}F{m};{s}B{m})OVERLAP_F_B``,

@@ -1,4 +1,4 @@
-"""Pass ``simulate``: predict the step from the schedule with the timeline simulator (DESIGN §5 "timeline";
+"""Pass ``simulate``: predict the step from the schedule with the timeline simulator (docs/architecture.md §5 "timeline";
 docs/step-model.md).
 
 Per pipeline stage it concatenates its layers' programs (cost_models/layer_program.py) into a
@@ -28,7 +28,7 @@ small kernels, which dominate at tiny-model sizes: moeplan's runtime (moeplan/ru
 squared-norm terms and single-tensor AdamW (``OPTIMIZER_KERNELS_PER_BUFFER``, counted from that code), each at
 ``launch.forward_kernel_s``.
 
-MFU uses Megatron-LM's causal model FLOPs without MTP (FACTS §4.1): flops_per_token · tokens / (step · devices ·
+MFU uses Megatron-LM's causal model FLOPs without MTP (docs/references.md §4.1): flops_per_token · tokens / (step · devices ·
 bf16 peak). HFU counts what the devices execute: traced forward + backward FLOPs of every layer (MTP and router
 included) plus recompute.
 """

@@ -1,4 +1,4 @@
-"""Hardware targets: schema-validated YAML descriptions of a device and its links (DESIGN §5).
+"""Hardware targets: schema-validated YAML descriptions of a device and its links (docs/architecture.md §5).
 
 ``load_target("ascend-910b")`` reads ``targets/ascend-910b.yaml``. A file may define ``variants`` (e.g. the 376T and
 313T bins of the 910B) selected with ``load_target("ascend-910b", variant="313t")`` or the name

@@ -15,7 +15,7 @@ ASCEND = load_target("ascend-910b")
 
 @pytest.fixture(scope="module")
 def pangu_fixed():
-    # the reported layout (FACTS §1) on MindSpeed's interleaved schedule, overlapping what the seeds name for it
+    # the reported layout (docs/references.md §1) on MindSpeed's interleaved schedule, DP and PP communication overlapped
     fixed = Fixed(global_batch=6144, seq_len=4096, tp=8, pp=16, vpp=2, ep=4, etp=1, cp=1, micro_batch=2,
                   schedule="interleaved", overlap=frozenset({"dp", "pp"}))
     return compile_model(spec=PANGU, target=ASCEND, num_devices=6144, fixed=fixed, workers=1)
@@ -31,7 +31,7 @@ def test_reported_pangu_layout_compiles_balanced(pangu_fixed):
     best = max(sum(pieces[sum(runs[:i]):sum(runs[:i + 1])]) for runs in [min_max_partition(pieces, 32)]
                for i in range(len(runs)))
     assert max(times) <= best * (1 + UNIFORM_TOLERANCE) + 1e-12  # the min-max optimum (or uniform within 1%)
-    assert max(times) <= 1.10 * sum(times) / len(times)  # the seeds claim 5% with their own cost model
+    assert max(times) <= 1.10 * sum(times) / len(times)  # arXiv 2505.04519 claims 5% with its own model
     assert "mtp.0 on stage" in plan.stages.reason and "mtp_head.0 on stage" in plan.stages.reason
     assert 0.08 < plan.prediction.bubble < 0.16  # interleaved with 64 micro-batches (10.49% for uniform stages)
     assert all(t <= plan.memory.budget_bytes for t in plan.prediction.peak_memory_bytes)

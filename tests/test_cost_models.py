@@ -12,7 +12,7 @@ from moeplan.targets import load_target
 NPU = load_target("ascend-910b")
 NPU_313 = load_target("ascend-910b:313t")
 H100 = load_target("h100")
-MATMUL_LAUNCH = 5e-6  # msmodeling default, FACTS §2
+MATMUL_LAUNCH = 5e-6  # msmodeling default, docs/references.md §2
 OTHER_LAUNCH = 2e-6
 COLL_LAUNCH = 10e-6
 
@@ -68,7 +68,7 @@ def test_compute_bound_cube_op_hand_computed() -> None:
 
 
 def test_memory_bound_vector_op_hand_computed() -> None:
-    hbm = 1.6 * 2**40 * 0.6  # FACTS §2 1.6 TiB/s × msmodeling memory efficiency 0.6
+    hbm = 1.6 * 2**40 * 0.6  # docs/references.md §2 1.6 TiB/s × msmodeling memory efficiency 0.6
     t = op_time_s(flops=1e9, bytes_moved=hbm, unit="vector", mnk=None, target=NPU)
     assert t == pytest.approx(1.0 + OTHER_LAUNCH, rel=1e-12)
     # the vector unit's peak: 22e12 · 0.7 FLOP/s → 1 s compute-bound when bytes are few

@@ -1,4 +1,4 @@
-"""Closed-form counts against FACTS §1 / §4.1, against the built model, and the ``describe`` data."""
+"""Closed-form counts against docs/references.md §1 / §4.1, against the built model, and the ``describe`` data."""
 from __future__ import annotations
 
 import pytest
@@ -21,14 +21,14 @@ def test_deepseek_v3_acceptance():
     counts = count_params(spec)
     assert _close(counts.total, 671 * B, 0.01)
     assert _close(counts.activated, 37 * B, 0.03)
-    assert _close(flops_per_token(spec, seq_len=4096), 249.8 * G, 0.001)  # FACTS §4.1: 249.8 (reported 250)
+    assert _close(flops_per_token(spec, seq_len=4096), 249.8 * G, 0.001)  # docs/references.md §4.1: 249.8 (reported 250)
     assert _close(counts.total + counts.mtp + counts.mtp_copies, 685 * B, 0.01)  # "685B with MTP"
 
 
 def test_pangu_ultra_acceptance():
     counts = count_params(load_spec("pangu-ultra-moe-718b"))
-    assert _close(counts.total, 719 * B, 0.002)  # FACTS §1: ≈719B from the config, without MTP
-    assert _close(counts.activated - counts.output, 39.2 * B, 0.002)  # FACTS: 39.2B counting one vocab matrix
+    assert _close(counts.total, 719 * B, 0.002)  # docs/references.md §1: ≈719B from the config, without MTP
+    assert _close(counts.activated - counts.output, 39.2 * B, 0.002)  # docs/references.md §1.1: 39.2B counting one vocab matrix
     assert _close(counts.activated, 40.37 * B, 0.001)  # our convention: embedding and output matrix both counted
 
 
@@ -39,7 +39,7 @@ def test_pangu_pro_acceptance():
 
 
 def test_deepseek_v2_flops():
-    """FACTS §4.1: DeepSeek-V2 at seq 4096 is 155.0 GFLOP/token by the same formula (reported 155)."""
+    """docs/references.md §4.1: DeepSeek-V2 at seq 4096 is 155.0 GFLOP/token by the same formula (reported 155)."""
     v2 = ModelSpec(name="deepseek-v2", vocab_size=102400, hidden_size=5120, num_layers=60, num_dense_layers=1,
                    dense_ffn_size=12288, attention="mla", num_heads=128, q_lora_rank=1536, kv_lora_rank=512,
                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_experts=160, top_k=6,

@@ -10,7 +10,7 @@ KW = dict(num_devices=6144, devices_per_node=8, num_heads=128, num_kv_heads=0, n
 def test_pangu_layout_is_valid_and_derived_sizes():
     check_layout(PANGU, **KW)
     assert PANGU.num_microbatches == 64
-    assert PANGU.expert_shards == 32 and PANGU.tp_extend_ep  # 8 experts per NPU (FACTS §1)
+    assert PANGU.expert_shards == 32 and PANGU.tp_extend_ep  # 8 experts per NPU (docs/references.md §1)
     assert PANGU.expert_dp == 12 and PANGU.world_size == 6144
 
 

@@ -95,7 +95,7 @@ def test_interleaved_in_flight_matches_megatron_warmup(pp, vpp, m):
 
 @pytest.mark.parametrize("pp,vpp", [(4, 2), (16, 2), (8, 4)])
 def test_interleaved_first_stage_memory_factor(pp, vpp):
-    """FACTS §4.2: interleaving multiplies first-stage activation memory by 1 + (p−1)/(p·v) (one chunk = 1/v)."""
+    """docs/references.md §4.2: interleaving multiplies first-stage activation memory by 1 + (p−1)/(p·v) (one chunk = 1/v)."""
     m = 4 * pp
     ratio = (max_in_flight(interleaved_1f1b(pp, vpp, m), pp=pp)[0] / vpp) / max_in_flight(one_f_one_b(pp, m), pp=pp)[0]
     assert ratio == pytest.approx(1 + (pp - 1) / (pp * vpp))

@@ -1,4 +1,4 @@
-"""Timeline simulator: closed forms (FACTS §4.3), hand-derived overlap cases, DAG references, broken schedules."""
+"""Timeline simulator: closed forms (docs/references.md §4.3), hand-derived overlap cases, DAG references, broken schedules."""
 import random
 
 import networkx as nx
@@ -63,7 +63,7 @@ def test_interleaved_closed_form(p, v, m):
 
 
 def test_pangu_bubbles():
-    """FACTS §4.3 at Pangu Ultra MoE's p = 16, m = 64: 18.99 % with 1F1B, 10.49 % interleaved with v = 2."""
+    """docs/references.md §4.3 at Pangu Ultra MoE's p = 16, m = 64: 18.99 % with 1F1B, 10.49 % interleaved with v = 2."""
     assert round(100 * simulate(one_f_one_b(16, 64), stages=uniform(16)).bubble, 2) == 18.99
     assert round(100 * simulate(interleaved_1f1b(16, 2, 64), stages=uniform(32)).bubble, 2) == 10.49
 
@@ -72,7 +72,7 @@ def test_pangu_bubbles():
 @pytest.mark.parametrize("f,i,w", [(1, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1.5, 0.5)])
 def test_zero_bubble_closed_form(p, m, f, i, w):
     """torch's Interleaved Zero Bubble with two chunks per rank idles ZB-H1's (p − 1)(F + B − W) (Qi et al.,
-    ICLR'24 §3; FACTS §4.3), with per-chunk F, B (input gradient) and W."""
+    ICLR'24 §3; docs/references.md §4.3), with per-chunk F, B (input gradient) and W."""
     t = simulate(build_actions("zero-bubble", pp=p, vpp=2, num_microbatches=m), stages=uniform(2 * p, f, i, 0, w))
     for busy in t.busy_s:
         assert t.step_time_s - busy == pytest.approx((p - 1) * (f + i - w))
@@ -82,7 +82,7 @@ def test_zero_bubble_closed_form(p, m, f, i, w):
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 20), (8, 16)])
 def test_v_schedules_simulate_and_beat_1f1b(kind, p, m):
     """ZB-V and DualPipeV (V placement) run deadlock-free with and without fb pairs; with F = B = W per chunk each
-    rank idles (p − 1)·F, a third of 1F1B's (p − 1)(F + B + W), ZB-H1's (FACTS §4.3: "a third of 1F1B when
+    rank idles (p − 1)·F, a third of 1F1B's (p − 1)(F + B + W), ZB-H1's (docs/references.md §4.3: "a third of 1F1B when
     F = B = W")."""
     for fb in (False, True):
         t = simulate(build_actions(kind, pp=p, vpp=2, num_microbatches=m, fb=fb), stages=uniform(2 * p, 1, 1, 0, 1))

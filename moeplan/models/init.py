@@ -1,4 +1,4 @@
-"""Deterministic per-parameter initialisation (DESIGN §7: every layout starts from the same global weights).
+"""Deterministic per-parameter initialisation (docs/architecture.md §7: every layout starts from the same global weights).
 
 Each parameter is drawn from its own ``torch.Generator`` seeded by ``(global seed, full parameter name)``, e.g.
 ``"layers.5.attn.q_b.weight"``, so building any subset of layers — or one rank's slice of experts — yields exactly

@@ -1,4 +1,4 @@
-"""Build one rank's modules from a plan: its PP chunks, each layer sharded for its TP/EP/CP position (DESIGN §7).
+"""Build one rank's modules from a plan: its PP chunks, each layer sharded for its TP/EP/CP position (docs/architecture.md §7).
 
 Every layer is built on the meta device in its parallel form (moeplan.runtime.tensor_parallel / expert_parallel),
 then materialised on ``device``: each parameter's full single-process initial value is computed from the model

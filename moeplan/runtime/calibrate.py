@@ -1,4 +1,4 @@
-"""``moeplan calibrate --target cpu``: measure this machine and write a calibrated CPU target (DESIGN §5, §7).
+"""``moeplan calibrate --target cpu``: measure this machine and write a calibrated CPU target (docs/architecture.md §5, §7).
 
 Measured with one thread (each emulated device is one process with ``OMP_NUM_THREADS=1``), fp32, best of a few
 repeats after a warm-up (the median is used for the gloo figures):

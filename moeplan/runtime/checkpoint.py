@@ -1,4 +1,4 @@
-"""Checkpoints with ``torch.distributed.checkpoint`` (DESIGN §7): complete or absent, never half-written.
+"""Checkpoints with ``torch.distributed.checkpoint`` (docs/architecture.md §7): complete or absent, never half-written.
 
 Layout on disk: ``{dir}/step-{NNNNNNNN}/`` holds one DCP checkpoint (``.metadata`` plus one file per rank) and
 ``moeplan.json`` (the step and the layout that wrote it). Every rank writes into ``{dir}/.step-{NNNNNNNN}.tmp/``;

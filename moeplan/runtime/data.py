@@ -1,4 +1,4 @@
-"""Training data for the runtime (DESIGN §7): one deterministic token stream, the same for every layout.
+"""Training data for the runtime (docs/architecture.md §7): one deterministic token stream, the same for every layout.
 
 Default source: byte-level tokens (vocabulary 256) of the Python standard library's ``.py`` sources on this machine
 (``sysconfig.get_paths()["stdlib"]``, without ``site-packages``/``dist-packages``), files in sorted relative-path

@@ -1,4 +1,4 @@
-"""The action-list interpreter: runs this rank's ``plan.schedule.actions`` exactly as written (DESIGN §7).
+"""The action-list interpreter: runs this rank's ``plan.schedule.actions`` exactly as written (docs/architecture.md §7).
 
 Actions (torch.distributed.pipelining notation, parsed by ``cost_models.timeline.parse_action``):
 

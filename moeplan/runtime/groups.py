@@ -1,4 +1,4 @@
-"""Rank coordinates and torch.distributed process groups of a plan's layout (DESIGN §7).
+"""Rank coordinates and torch.distributed process groups of a plan's layout (docs/architecture.md §7).
 
 Dense ranks are laid out TP innermost, then CP, then DP, then PP (Megatron-LM's ``tp-cp-ep-dp-pp`` order,
 moeplan.layout)::

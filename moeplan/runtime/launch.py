@@ -1,4 +1,4 @@
-"""Launching a plan (DESIGN §7): checks before any process starts, local processes for the CPU emulator, the
+"""Launching a plan (docs/architecture.md §7): checks before any process starts, local processes for the CPU emulator, the
 ``torchrun`` command for a cluster.
 
 - :func:`check_runnable` refuses, with one line (PlanError), a plan the runtime cannot execute: a schedule,

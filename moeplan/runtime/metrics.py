@@ -1,4 +1,4 @@
-"""Per-step measurement of a rank (DESIGN §7): action wall times, saved-activation bytes, bytes and time per comm
+"""Per-step measurement of a rank (docs/architecture.md §7): action wall times, saved-activation bytes, bytes and time per comm
 class, and the JSON line each step writes.
 
 - :class:`SavedActivationMeter` counts what autograd keeps for backward with
