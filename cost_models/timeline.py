@@ -61,7 +61,7 @@ from types import MappingProxyType
 from typing import Mapping, NamedTuple, Sequence
 
 from moeplan.errors import PlanError
-from moeplan.state import CommOp, Segment, Tier
+from moeplan.state import Segment, Tier
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 SEND_KINDS = ("SEND_F", "SEND_B")

@@ -27,19 +27,20 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from multiprocessing import get_context
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from moeplan.compiler import parse_pipeline, run_pipeline
 from moeplan.cost_models.dispatch import hierarchical_valid
 from moeplan.cost_models.layer_program import ep_transfer, expert_group
 from moeplan.cost_models.memory import model_state_bytes
-from moeplan.cost_models.timeline import RunSettings, action_time_s
+from moeplan.cost_models.timeline import action_time_s
 from moeplan.errors import InfeasibleError, LayoutError
 from moeplan.ir import LayerKind, ModelGraph, named_layers
 from moeplan.layout import Layout, check_layout
+from moeplan.passes.partition_stages import min_max_partition
 from moeplan.passes.plan_memory import MODES, saved_bytes
 from moeplan.passes.schedule import FB_PAIRED, in_flight_bound, placement_of, schedule_fits, stage_rank
-from moeplan.passes.simulate import adam_s, dp_sync_s, recompute_work
+from moeplan.passes.simulate import adam_s, beside_compute, dp_sync_s, recompute_work
 from moeplan.passes.shard import layer_cost
 from moeplan.state import Dispatcher, Mechanism, PlanState, ScheduleKind, Strategy
 from moeplan.targets import Target
@@ -143,9 +144,7 @@ def _model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: D
     """:class:`ModelCost` of the slots ``counts``. ``cache`` keeps each kind's layer cost and timeline prices per
     what they depend on: (tp, cp, micro-batch) for a layer without routed experts, also (ep, etp, dispatcher) for
     one with them."""
-    settings = RunSettings(mechanisms=overlap, compute_slowdown=target.comm_compute_slowdown,
-                           host_launch_s=target.launch.host_launch_s if target.launch.granularity == "op" else 0,
-                           host_sync_s=target.launch.host_sync_s if target.launch.granularity == "op" else 0)
+    settings = beside_compute(target, overlap)
     f = i = w = pair = 0.0
     redo = dict.fromkeys(MODES, 0.0)
     act = dict.fromkeys(MODES, 0.0)
@@ -198,35 +197,17 @@ class Estimate:
 @lru_cache(maxsize=256)
 def rank_load(times: tuple[float, ...], pp: int, vpp: int, placement: str) -> float:
     """How much more than the balanced ``sum(times)/pp`` the busiest PP rank computes per micro-batch when the
-    slots (``times``, pipeline order) are split as the partition pass splits them — the contiguous split into
-    ``pp·vpp`` chunks minimising the slowest chunk (bisection on the bound with the greedy fill, to 1e-4) — and
-    the chunks are placed ``loop`` or ``v`` (passes/schedule.py)."""
-    chunks = pp * vpp
-    lo, hi = max(max(times), sum(times) / chunks), sum(times)
-    while hi - lo > 1e-4 * hi:
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if len(_fill_runs(times, mid)) <= chunks else (mid, hi)
-    runs = _fill_runs(times, hi)
-    while len(runs) < chunks:  # split the heaviest run of several slots (the partition pass does the same)
-        k = max((j for j, r in enumerate(runs) if len(r) > 1), key=lambda j: sum(runs[j]))
-        runs[k:k + 1] = [runs[k][:-1], runs[k][-1:]]
+    slots (``times``, pipeline order) are split into ``pp·vpp`` chunks as the partition pass's free split does
+    (:func:`~moeplan.passes.partition_stages.min_max_partition`) and the chunks are placed ``loop`` or ``v``
+    (passes/schedule.py)."""
+    runs = min_max_partition(list(times), pp * vpp)
+    assert runs is not None  # no slot capacity given: always a split
     load = [0.0] * pp
-    for stage, run in enumerate(runs):
-        load[stage_rank(stage, pp=pp, placement=placement)] += sum(run)  # type: ignore[arg-type]
+    start = 0
+    for stage, n in enumerate(runs):
+        load[stage_rank(stage, pp=pp, placement=placement)] += sum(times[start:start + n])  # type: ignore[arg-type]
+        start += n
     return max(load) * pp / sum(times)
-
-
-def _fill_runs(times: Sequence[float], bound: float) -> list[list[float]]:
-    """Greedy contiguous runs of ``times`` each summing to at most ``bound`` (a single slot may exceed it)."""
-    runs: list[list[float]] = [[]]
-    acc = 0.0
-    for t in times:
-        if runs[-1] and acc + t > bound:
-            runs.append([])
-            acc = 0.0
-        runs[-1].append(t)
-        acc += t
-    return runs
 
 
 def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weights: tuple[float, ...],
@@ -282,7 +263,7 @@ def strategies(layout: Layout, *, graph: ModelGraph, target: Target, fixed: Fixe
                cache: dict | None = None) -> list[Strategy]:
     """The strategies searched for ``layout`` (module docstring, step 3); ``cache`` keeps the dispatcher choice
     per (tp, cp, ep, etp, micro-batch) across layouts."""
-    spec, caps = graph.spec, target.runtime
+    caps = target.runtime
     kinds = [fixed.schedule] if fixed.schedule else list(caps.schedules)
     kinds = [k for k in kinds if layout.pp > 1 or k == "1f1b"]
     kinds = [k for k in kinds if schedule_fits(k, pp=layout.pp, vpp=layout.vpp,

@@ -38,6 +38,7 @@ from moeplan.cost_models.timeline import RunSettings, action_time_s
 from moeplan.errors import LayoutError
 from moeplan.ir import LayerKind, named_layers
 from moeplan.passes.schedule import Placement, placement_of, stage_of, stage_rank
+from moeplan.passes.simulate import beside_compute
 from moeplan.state import LayerCost, PlanState, StagePlan
 
 SLOT_KINDS = frozenset({LayerKind.DENSE, LayerKind.MOE, LayerKind.MTP})
@@ -177,7 +178,7 @@ class PartitionStagesPass:
         pp, vpp = state.layout.pp, state.layout.vpp
         layers = named_layers(state.graph.spec)
         costs = state.sharding.layer_costs
-        settings = _settings(state)
+        settings = beside_compute(state.target, state.strategy.overlap)
         per_kind = {k: piece_time_s(c, settings) for k, c in costs.items()}
         times = [per_kind[k] for _, k in layers]
         slots = [int(k in SLOT_KINDS) for _, k in layers]
@@ -217,16 +218,6 @@ class PartitionStagesPass:
         reason = _reason(stage_names, pp, placement, imbalance, empties, capacity, note)
         return state.with_(stages=StagePlan(chunks=chunks, chunk_time_s=chunk_t, imbalance=imbalance,
                                             empty_layers=tuple(empties), reason=reason, placement=placement))
-
-
-def _settings(state: PlanState) -> RunSettings:
-    """What runs beside compute under the state's strategy and target (as ``simulate`` sets it, without the PP
-    link)."""
-    tgt = state.target
-    host = tgt.launch.granularity == "op"
-    return RunSettings(mechanisms=frozenset(state.strategy.overlap), compute_slowdown=tgt.comm_compute_slowdown,
-                       host_launch_s=tgt.launch.host_launch_s if host else 0.0,
-                       host_sync_s=tgt.launch.host_sync_s if host else 0.0)
 
 
 def _max_run(times: list[float], runs: list[int]) -> float:

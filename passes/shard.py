@@ -19,7 +19,7 @@ attention keeps its probabilities), as the runtime's autograd keeps them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 from moeplan.cost_models.compute import annotation_time_s

@@ -35,7 +35,7 @@ included) plus recompute.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, Mapping, Sequence
+from typing import ClassVar, Iterable, Sequence
 
 from moeplan.cost_models.comm import collective_time_s, group_tier
 from moeplan.cost_models.memory import GRAD_BYTES, PARAM_BYTES
@@ -111,16 +111,22 @@ def stage_program(layer_costs: Sequence[LayerCost], mode: Recompute, activation_
                         activation_bytes=activation_bytes)
 
 
+def beside_compute(target: Target, overlap: Iterable[str]) -> RunSettings:
+    """What runs beside compute on ``target`` with the mechanisms ``overlap`` on: the compute slow-down while a
+    collective is in flight, and the host's launch and sync costs on a target priced per op (on a ``"kernel"``
+    target they are inside the kernel costs). No PP link (:func:`run_settings` adds it)."""
+    host = target.launch.granularity == "op"
+    return RunSettings(mechanisms=frozenset(overlap), compute_slowdown=target.comm_compute_slowdown,
+                       host_launch_s=target.launch.host_launch_s if host else 0.0,
+                       host_sync_s=target.launch.host_sync_s if host else 0.0)
+
+
 def run_settings(state: PlanState) -> RunSettings:
     """The PP link and what runs beside compute, from the sharding, the strategy and the target."""
     assert state.sharding is not None
-    tgt, p2p = state.target, state.sharding.p2p
-    host = tgt.launch.granularity == "op"
-    return RunSettings(p2p_s=p2p.time_s, p2p_tier=p2p.tier, p2p_bytes=p2p.bytes if p2p.time_s else 0.0,
-                       mechanisms=frozenset(state.strategy.overlap),
-                       compute_slowdown=tgt.comm_compute_slowdown,
-                       host_launch_s=tgt.launch.host_launch_s if host else 0.0,
-                       host_sync_s=tgt.launch.host_sync_s if host else 0.0)
+    p2p = state.sharding.p2p
+    return replace(beside_compute(state.target, state.strategy.overlap), p2p_s=p2p.time_s, p2p_tier=p2p.tier,
+                   p2p_bytes=p2p.bytes if p2p.time_s else 0.0)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ import pytest
 
 from moeplan.compile import compile_model, resimulate
 from moeplan.ir import named_layers
-from moeplan.passes.partition_stages import UNIFORM_TOLERANCE, _settings, min_max_partition, piece_time_s
+from moeplan.passes.partition_stages import UNIFORM_TOLERANCE, min_max_partition, piece_time_s
+from moeplan.passes.simulate import beside_compute
 from moeplan.plan import load_plan, save_plan
 from moeplan.search import Fixed
 from moeplan.spec import load_spec
@@ -27,7 +28,8 @@ def test_reported_pangu_layout_compiles_balanced(pangu_fixed):
     assert plan.sharding.expert_shards == 32 and plan.experts.shards[0] == list(range(8))
     times = [t for r in plan.stages.chunk_time_s for t in r]
     state = pangu_fixed.result.ranked[0].state
-    pieces = [piece_time_s(state.sharding.layer_costs[k], _settings(state)) for _, k in named_layers(PANGU)]
+    settings = beside_compute(state.target, state.strategy.overlap)
+    pieces = [piece_time_s(state.sharding.layer_costs[k], settings) for _, k in named_layers(PANGU)]
     best = max(sum(pieces[sum(runs[:i]):sum(runs[:i + 1])]) for runs in [min_max_partition(pieces, 32)]
                for i in range(len(runs)))
     assert max(times) <= best * (1 + UNIFORM_TOLERANCE) + 1e-12  # the min-max optimum (or uniform within 1%)
