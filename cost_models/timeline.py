@@ -54,6 +54,7 @@ action whose input never arrives, and deadlocks (no action can progress), naming
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import re
 from dataclasses import dataclass, field, replace
@@ -84,9 +85,10 @@ class Action(NamedTuple):
     parts: tuple["Action", ...] = ()
 
 
+@functools.lru_cache(maxsize=1 << 18)
 def parse_action(text: str) -> Action:
     """Parse ``"3F12"`` → ``Action(3, "F", 12)`` and ``"(3F1;4B0)OVERLAP_F_B"`` → its pair; raise PlanError on
-    anything else."""
+    anything else. Cached: the schedule, memory and simulate passes each read the same lists."""
     text = text.strip()
     pair = _OVERLAP_RE.fullmatch(text)
     if pair is not None:
@@ -374,7 +376,7 @@ class _Prog:
     (built once per segment list and settings)."""
 
     __slots__ = ("segs", "n", "secs", "is_comm", "after", "kernels", "defer", "blocking", "busy", "sync", "cls",
-                 "to_comm")
+                 "wire", "to_comm")
 
     def __init__(self, segs: tuple[Segment, ...], mechanisms: frozenset[str]) -> None:
         self.segs, self.n = segs, len(segs)
@@ -390,6 +392,7 @@ class _Prog:
                      for s in segs]
         self.sync = [s.host_sync for s in segs]
         self.cls = [s.comm.comm_class if s.comm else "" for s in segs]
+        self.wire = [(s.comm.wire_intra_bytes, s.comm.wire_inter_bytes) if s.comm else (0.0, 0.0) for s in segs]
         self.to_comm = [0.0] * len(segs)  # compute seconds from a segment to the part's next collective
         run = float("inf")
         for i in range(len(segs) - 1, -1, -1):
@@ -603,7 +606,11 @@ def _schedule(st: _State, r: int, parts: list[_Part], ctx: _Context, *, carry: b
             if head is None:
                 continue
             prog, i = p.prog, p.ptr
-            t = max(free, head[0], p.host + h if prog.kernels[i] else p.host)
+            t = p.host + h if prog.kernels[i] else p.host
+            if t < free:
+                t = free
+            if t < head[0]:
+                t = head[0]
             key_t, tie = (t if t > floor else floor), prog.to_comm[i]
             if best < 0 or key_t < best_key or (key_t == best_key and tie < best_tie):
                 best, best_t, best_key, best_tie = q, t, key_t, tie
@@ -628,16 +635,19 @@ def _schedule(st: _State, r: int, parts: list[_Part], ctx: _Context, *, carry: b
         moved = (q,)
         prog = p.prog
         issue = p.host + h if prog.kernels[i] else p.host
-        start = max(free, dep, issue)
+        start = dep if dep > free else free
         if dep > free:  # waiting for an input; a host later still is charged for the rest
             _charge_wait(st, r, p, dep_seg, free, dep, parts)
-        if issue > max(free, dep):
-            st.host_wait[r] += issue - max(free, dep)
+        if issue > start:
+            st.host_wait[r] += issue - start
+            start = issue
         dur = prog.secs[i]
         if slow and inflight:
             dur += slow * _overlap_len(start, start + dur, inflight)
         p.host += prog.kernels[i] * h
-        end = max(start + dur, p.host)
+        end = start + dur
+        if end < p.host:
+            end = p.host
         st.busy[r] += end - start
         free = end
         p.ends[i] = end
@@ -778,19 +788,22 @@ def _claim_tiers(st: _State, r: int, busy: Sequence[tuple[str, float]], ready: f
     transfer, the EP count exchange: short and waited on) only behind other priority ones, and pushes the bulk queue
     back by its own time (the link's bytes are conserved, as concurrent NCCL/HCCL streams share it)."""
     start, behind = ready, ""
+    tier_free, tier_cls, tier_busy = st.tier_free[r], st.tier_cls[r], st.tier_busy[r]
+    frees, classes = (st.prio_free[r], st.prio_cls[r]) if priority else (tier_free, tier_cls)
     for t, _ in busy:
-        free = st.prio_free[r][t] if priority else st.tier_free[r][t]
+        free = frees[t]
         if free > start:
-            start, behind = free, (st.prio_cls if priority else st.tier_cls)[r][t]
+            start, behind = free, classes[t]
     for t, b in busy:
         if priority:
-            st.prio_free[r][t] = start + b
-            st.prio_cls[r][t] = cls
-            st.tier_free[r][t] = max(st.tier_free[r][t], start) + b
+            frees[t] = start + b
+            classes[t] = cls
+            free = tier_free[t]
+            tier_free[t] = (free if free > start else start) + b
         else:
-            st.tier_free[r][t] = start + b
-        st.tier_cls[r][t] = cls
-        st.tier_busy[r][t].append((start, start + b))
+            tier_free[t] = start + b
+        tier_cls[t] = cls
+        tier_busy[t].append((start, start + b))
     return start, behind
 
 
@@ -801,23 +814,26 @@ def _issue_comm(st: _State, r: int, p: _Part, i: int, dep: float, host: float, f
     its end)."""
     prog = p.prog
     blocking = not p.overlapped and prog.blocking[i]
-    ready = max(dep, host)
+    ready = dep if dep > host else host
     if blocking:  # on the compute stream: it starts after the kernel issued before it
         if host > max(dep, free):  # the stream idles until the host issues it
             st.host_wait[r] += host - max(dep, free)
             free = host
-        ready = max(ready, free)
+        if free > ready:
+            ready = free
     cls = prog.cls[i]
     start, behind = _claim_tiers(st, r, prog.busy[i], ready, cls, priority=prog.sync[i])
     if behind:
         p.queued[i] = (start, behind)
     secs = prog.secs[i]
     end = start + secs
-    c = prog.segs[i].comm
-    stat = st.stat(r, cls)
+    stat = st.stats[r].get(cls)
+    if stat is None:
+        stat = st.stats[r][cls] = [0.0] * 6
+    intra, inter = prog.wire[i]
     stat[0] += secs
-    stat[4] += c.wire_intra_bytes
-    stat[5] += c.wire_inter_bytes
+    stat[4] += intra
+    stat[5] += inter
     if p.in_steady:
         stat[2] += secs
     if ctx.cfg.compute_slowdown:

@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+import gc
 import os
 import re
 from collections import Counter
@@ -471,6 +472,9 @@ class _Pool:
         if self.workers <= 1 or len(tasks) <= 1:
             return [fn(t) for t in tasks]
         if self.pool is None:
+            # what exists now (torch, the traced graph) lives until exit: freezing it keeps the workers' and this
+            # process's collections from traversing it (the fork recipe of the gc module's docs)
+            gc.freeze()
             self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("fork"))
         return list(self.pool.map(fn, tasks, chunksize=chunksize))
 
