@@ -935,8 +935,10 @@ def _step_rank(st: _State, r: int, rk: _Rank, i: int, ctx: _Context) -> None:
         return
     keys, text = rk.keys[i], rk.texts[i]
     carried = st.carry[r]
-    if carried and any(d in {p.key for p in carried} for k in keys for d in _local_deps(k, ctx, r)):
-        st.carry[r] = carried = _schedule(st, r, carried, ctx, carry=False)
+    if carried:
+        running = {p.key for p in carried}
+        if any(d in running for k in keys for d in _local_deps(k, ctx, r)):
+            st.carry[r] = carried = _schedule(st, r, carried, ctx, carry=False)
     inputs = [_input_ready(st, r, k, ctx, i, text) for k in keys]
     pair = len(keys) > 1
     steady = ctx.windows[r][0] <= i <= ctx.windows[r][1]

@@ -154,15 +154,18 @@ def _model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: D
         key = (kind, layout.tp, layout.cp, layout.micro_batch) + (
             (layout.ep, layout.etp, dispatcher) if lg.expert_param_count else ())
         if key not in cache:
-            lc = layer_cost(lg, spec=graph.spec, layout=layout, target=target, dispatcher=dispatcher)
+            lc = layer_cost(lg, spec=graph.spec, layout=layout, target=target, dispatcher=dispatcher,
+                            op_times=cache.setdefault("op_times", {}))
             cache[key] = (lc, {m: recompute_work(lc, m)[0] for m in MODES}, {m: saved_bytes(lc, m) for m in MODES})
         lc, lr, la = cache[key]
-        if (key, overlap) not in cache:
-            prog = lc.program
+        prog = lc.program
+        # the prices depend only on the mechanisms the layer's collectives name (async_by) and on fb
+        used = overlap & ({s.async_by for s in prog.fwd + prog.bwd_input} | {"fb"})
+        if (key, used) not in cache:
             lf, li, lw = (action_time_s([x], settings) for x in (prog.fwd, prog.bwd_input, prog.weight_alone))
             lp = action_time_s([prog.fwd, prog.backward], settings) if "fb" in overlap else lf + li + lw
-            cache[(key, overlap)] = (lf, li, lw, lp)
-        lf, li, lw, lp = cache[(key, overlap)]
+            cache[(key, used)] = (lf, li, lw, lp)
+        lf, li, lw, lp = cache[(key, used)]
         f, i, w, pair = f + n * lf, i + n * li, w + n * lw, pair + n * lp
         for m in MODES:
             redo[m] += n * lr[m]
@@ -355,6 +358,7 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
     dpn = target.devices_per_node
     rejected: Counter = Counter()
     cache: dict = {}
+    params_of: dict[tuple[int, int, int], tuple[float, float]] = {}
     slots = [k for _, k in named_layers(graph.spec)]
     counts = Counter(slots)
     weights = tuple(graph.layer(k).fwd_flops + graph.layer(k).bwd_flops for k in slots)
@@ -369,7 +373,8 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
             first_error = first_error or e
             rejected[rejection_reason(e)] += 1
             continue
-        params = stage_params(lay, graph, counts)
+        pkey = (lay.tp, lay.pp, lay.ep)  # what stage_params depends on
+        params = params_of.get(pkey) or params_of.setdefault(pkey, stage_params(lay, graph, counts))
         static = static_bytes(lay, params)
         if static > target.usable_memory_bytes:
             min_static = min(min_static, static)

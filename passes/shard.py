@@ -100,16 +100,23 @@ class ShardPass:
 
 
 def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Target,
-               dispatcher: Dispatcher = "flat") -> LayerCost:
-    """LayerCost of one layer of ``lg.kind`` for one micro-batch on one device (see the module docstring)."""
+               dispatcher: Dispatcher = "flat", op_times: dict | None = None) -> LayerCost:
+    """LayerCost of one layer of ``lg.kind`` for one micro-batch on one device (see the module docstring).
+
+    ``op_times``: a memo of op prices the caller keeps across layouts of one traced graph and one target (the
+    layout search: an attention op's price depends on tp, cp and the micro-batch only, not on ep or etp)."""
     fwd = dx = dw = sel_s = 0.0
     flops = fwd_flops = sel_flops = 0.0
     workspace = 0
     times: dict[str, tuple[float, float, float]] = {}
+    memo = {} if op_times is None else op_times
     for op in lg.ops:
         s = op_scale(op, layout)
-        f, i, w = times[op.name] = annotation_time_s(op, scale=s, target=target, weight_scale=weight_scale(op, layout),
-                                                     mnk=gemm_shape(op, layout))
+        ws, mnk = weight_scale(op, layout), gemm_shape(op, layout)
+        key = (lg.kind, op.name, s, ws, mnk)
+        if key not in memo:
+            memo[key] = annotation_time_s(op, scale=s, target=target, weight_scale=ws, mnk=mnk)
+        f, i, w = times[op.name] = memo[key]
         fwd, dx, dw = fwd + f, dx + i, dw + w
         flops += s * (op.fwd_flops + op.bwd_input_flops + op.bwd_weight_flops)
         fwd_flops += s * op.fwd_flops
