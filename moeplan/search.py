@@ -472,13 +472,14 @@ class _Pool:
     def __exit__(self, *exc: object) -> None:
         if self.pool is not None:
             self.pool.shutdown()
+            gc.unfreeze()  # a long-lived caller (a benchmark, the tests) can collect it again
 
     def map(self, fn, tasks: list, chunksize: int = 1) -> list:  # type: ignore[no-untyped-def]
         if self.workers <= 1 or len(tasks) <= 1:
             return [fn(t) for t in tasks]
         if self.pool is None:
-            # what exists now (torch, the traced graph) lives until exit: freezing it keeps the workers' and this
-            # process's collections from traversing it (the fork recipe of the gc module's docs)
+            # what exists now (torch, the traced graph) outlives the workers: freezing it keeps their collections
+            # from traversing it and their pages shared (the fork recipe of the gc module's docs)
             gc.freeze()
             self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("fork"))
         return list(self.pool.map(fn, tasks, chunksize=chunksize))
