@@ -106,7 +106,7 @@ def compile_cmd(
                   cp=cp, micro_batch=micro_batch, **strategy_options(schedule=schedule, dispatcher=dispatcher,
                                                                      overlap=overlap, recompute=recompute))
     res = compile_model(spec=spec, target=tgt, num_devices=devices, fixed=fixed,
-                        pipeline=pipeline or DEFAULT_PIPELINE, candidates=max(candidates, top))
+                        pipeline=pipeline or DEFAULT_PIPELINE, candidates=max(candidates, top), keep=top)
     if output:
         save_plan(res.plan, output)
     if as_json:

@@ -32,8 +32,10 @@ class CompileResult:
 
 
 def compile_model(*, spec: ModelSpec, target: Target, num_devices: int, fixed: Fixed,
-                  pipeline: str = DEFAULT_PIPELINE, candidates: int = 4, workers: int | None = None) -> CompileResult:
-    """Trace ``spec``, search layouts for ``num_devices`` devices of ``target`` and return the best plan.
+                  pipeline: str = DEFAULT_PIPELINE, candidates: int = 4, workers: int | None = None,
+                  keep: int = 1) -> CompileResult:
+    """Trace ``spec``, search layouts for ``num_devices`` devices of ``target`` and return the best plan;
+    ``result.ranked`` holds the ``keep`` fastest of the ``candidates`` evaluated.
 
     Raises SpecError / LayoutError / PlanError for bad input and InfeasibleError when no layout fits in memory.
     """
@@ -42,7 +44,7 @@ def compile_model(*, spec: ModelSpec, target: Target, num_devices: int, fixed: F
     graph = trace_model(spec, seq_len=fixed.seq_len)
     trace_s = time.perf_counter() - t0
     result = search(graph=graph, target=target, num_devices=num_devices, fixed=fixed, pipeline=pipeline,
-                    candidates=candidates, workers=workers)
+                    candidates=candidates, workers=workers, keep=keep)
     compile_s = time.perf_counter() - t0
     plan = plan_from_state(result.ranked[0], pipeline=pipeline, compile_s=compile_s, trace_s=trace_s)
     return CompileResult(plan=plan, result=result, compile_s=compile_s)

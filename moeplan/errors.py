@@ -27,7 +27,12 @@ class PlanError(MoeplanError, ValueError):
 
 
 class InfeasibleError(MoeplanError):
-    """No plan fits: the message names the per-device memory that would be needed."""
+    """No plan fits: the message names the per-device memory that would be needed; ``needs_bytes`` carries it as a
+    number when one is known."""
+
+    def __init__(self, message: str, *, needs_bytes: float | None = None) -> None:
+        super().__init__(message)
+        self.needs_bytes = needs_bytes
 
 
 def field_error(cls: type[MoeplanError], field: str, value: object, rule: str) -> MoeplanError:

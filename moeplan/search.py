@@ -15,20 +15,23 @@
    slowest chunk of the best stage split, the schedule's bubble and the DP and optimizer tail
    (docs/step-model.md §4).
 5. **Evaluate** the ``candidates`` best estimates (those whose memory estimate fits first) with the full pipeline
-   in parallel processes and rank them by simulated step time. A candidate the memory pass finds infeasible is retried without ``fb`` when the overlap
-   set was chosen automatically (``fb`` keeps one more micro-batch in flight), else counted and dropped.
+   in parallel processes and rank them by simulated step time, holding only the ``keep`` fastest whole (memory does
+   not grow with ``candidates``). A candidate the memory pass finds infeasible is retried without ``fb`` when the
+   overlap set was chosen automatically (``fb`` keeps one more micro-batch in flight), else counted (a typed
+   :class:`Rejected`) and dropped.
 """
 from __future__ import annotations
 
 import gc
+import heapq
 import os
 import re
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from multiprocessing import get_context
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from moeplan.compiler import parse_pipeline, run_pipeline
 from moeplan.cost_models.dispatch import hierarchical_valid
@@ -73,8 +76,21 @@ class Evaluated:
 
 
 @dataclass(frozen=True)
+class Rejected:
+    """A candidate the full pipeline refused: the countable reason, the one-line message, and for a memory
+    rejection the bytes per device its fullest PP rank needed under the last recompute mode tried."""
+
+    reason: str
+    message: str
+    needs_bytes: float | None = None
+
+
+@dataclass(frozen=True)
 class SearchResult:
-    ranked: tuple[Evaluated, ...]  # best first
+    """The ``keep`` fastest evaluated layouts, best first (only those are kept whole: any number of candidates
+    fits in bounded memory), rejections counted by reason, and how many layouts were enumerated and evaluated."""
+
+    ranked: tuple[Evaluated, ...]
     rejected: Counter  # reason -> count
     num_enumerated: int
     num_evaluated: int
@@ -318,7 +334,7 @@ def _cheapest_dispatcher(layout: Layout, graph: ModelGraph, target: Target, cach
     return best  # type: ignore[return-value]
 
 
-def _evaluate(args: tuple[Layout, Strategy, str, bool]) -> Evaluated | str:
+def _evaluate(args: tuple[Layout, Strategy, str, bool]) -> Evaluated | Rejected:
     layout, strategy, pipeline, auto_overlap = args
     graph, target = _SHARED["graph"], _SHARED["target"]
     passes = parse_pipeline(pipeline)
@@ -330,10 +346,10 @@ def _evaluate(args: tuple[Layout, Strategy, str, bool]) -> Evaluated | str:
             state, timings = run_pipeline(PlanState(graph=graph, target=target, layout=layout, strategy=attempt),
                                           passes)
         except InfeasibleError as e:
-            error = f"InfeasibleError: {e}"
+            error = Rejected("memory: plan exceeds device memory under every recompute mode", str(e), e.needs_bytes)
             continue
         except LayoutError as e:
-            return f"LayoutError: {e}"
+            return Rejected(rejection_reason(e), str(e))
         return Evaluated(state=state, pass_s=tuple((t.name, t.seconds) for t in timings))
     return error
 
@@ -351,9 +367,10 @@ def _check_fixed(fixed: Fixed, target: Target) -> None:
 
 
 def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed, pipeline: str,
-           candidates: int = 4, workers: int | None = None) -> SearchResult:
-    """Find the fastest layouts; see the module docstring. Raises LayoutError if no layout is valid, and
-    InfeasibleError (with the smallest per-device memory seen) if every valid layout runs out of memory."""
+           candidates: int = 4, workers: int | None = None, keep: int = 1) -> SearchResult:
+    """Find the fastest layouts; see the module docstring. ``keep``: how many of the evaluated ones the result
+    holds whole (the rest are counted, not kept). Raises LayoutError if no layout is valid, and InfeasibleError
+    (with the smallest per-device memory seen) if every valid layout runs out of memory."""
     _check_fixed(fixed, target)
     dpn = target.devices_per_node
     rejected: Counter = Counter()
@@ -391,40 +408,48 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
                           f"micro-batches: passes/schedule.py)")
     _SHARED["graph"], _SHARED["target"] = _lean(graph), target  # what forked workers read
     try:
-        results, picked = _estimate_and_evaluate(options, slots, weights, target, pipeline, candidates, workers,
-                                                 auto_overlap=fixed.overlap is None)
+        ranked, refused, evaluated = _estimate_and_evaluate(options, slots, weights, target, pipeline, candidates,
+                                                            workers, keep, auto_overlap=fixed.overlap is None)
     finally:
         _SHARED.clear()
-    ranked = []
-    for r in results:
-        if isinstance(r, str):
-            rejected[rejection_reason(r.split(": ", 1)[1]) if r.startswith("Layout") else "memory: plan exceeds "
-                     "device memory under every recompute mode"] += 1
-        else:
-            ranked.append(r)
+    rejected.update(r.reason for r in refused)
     if not ranked:
-        _raise_infeasible(target, min_static, layouts, results)
-    ranked.sort(key=lambda e: e.state.prediction.step_time_s)
+        _raise_infeasible(target, min_static, layouts, refused)
     return SearchResult(ranked=tuple(ranked), rejected=rejected, num_enumerated=len(layouts),
-                        num_evaluated=len(picked))
+                        num_evaluated=evaluated)
 
 
 def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, float]]], slots: list[LayerKind],
                            weights: tuple[float, ...], target: Target, pipeline: str, candidates: int,
-                           workers: int | None, *, auto_overlap: bool) -> tuple[list, list]:
+                           workers: int | None, keep: int, *, auto_overlap: bool
+                           ) -> tuple[list[Evaluated], list[Rejected], int]:
     """Steps 4 and 5 of the module docstring in one pool of worker processes: the options of one layer-cost shape
-    (:func:`_shape_key`) are priced and estimated together, the best go through the full pipeline."""
+    (:func:`_shape_key`) are priced and estimated together, the best go through the full pipeline. Returns the
+    ``keep`` fastest evaluated (best first), the rejections (small typed values) and how many were evaluated; the
+    other evaluated states are dropped as they arrive, so memory does not grow with ``candidates``."""
     groups: dict[tuple, list[tuple[Layout, Strategy, tuple[float, float]]]] = {}
     for opt in options:
         groups.setdefault(_shape_key(opt[0], opt[1]), []).append(opt)
     _SHARED["counts"], _SHARED["weights"] = Counter(slots), weights
     tasks = list(groups.values())
+    best: list[tuple[float, int, Evaluated]] = []  # max-heap on (step, order) of the `keep` fastest so far
+    refused: list[Rejected] = []
     with _Pool(workers) as pool:
         survivors = [x for part in pool.map(_estimate_shape, tasks, chunksize=max(1, len(tasks) // 16)) for x in part]
         survivors.sort(key=lambda x: x[0])
-        picked = [(lay, st) for _, lay, st in survivors[:candidates]]
-        results = pool.map(_evaluate, [(lay, st, pipeline, auto_overlap) for lay, st in picked])
-    return results, picked
+        picked = [(lay, st, pipeline, auto_overlap) for _, lay, st in survivors[:candidates]]
+        del survivors
+        for i, r in enumerate(pool.imap(_evaluate, picked)):
+            if isinstance(r, Rejected):
+                refused.append(r)
+                continue
+            item = (-r.state.prediction.step_time_s, -i, r)
+            if len(best) < keep:
+                heapq.heappush(best, item)
+            elif item[:2] > best[0][:2]:
+                heapq.heapreplace(best, item)
+    ranked = [e for _, _, e in sorted(best, key=lambda x: x[:2], reverse=True)]
+    return ranked, refused, len(picked)
 
 
 _SHARED: dict = {}
@@ -459,8 +484,8 @@ def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
 
 
 class _Pool:
-    """``map`` in forked worker processes (``workers`` of them, default the CPU count), or in this process for one
-    worker; the pool starts at the first map of more than one task."""
+    """``map`` / ``imap`` in forked worker processes (``workers`` of them, default the CPU count), or in this process
+    for one worker; the pool starts at the first call with more than one task."""
 
     def __init__(self, workers: int | None) -> None:
         self.workers = workers or os.cpu_count() or 1
@@ -477,23 +502,42 @@ class _Pool:
     def map(self, fn, tasks: list, chunksize: int = 1) -> list:  # type: ignore[no-untyped-def]
         if self.workers <= 1 or len(tasks) <= 1:
             return [fn(t) for t in tasks]
+        return list(self._executor().map(fn, tasks, chunksize=chunksize))
+
+    def imap(self, fn, tasks: list) -> Iterator:  # type: ignore[no-untyped-def]
+        """``fn`` of each task, in order, with at most two tasks per worker submitted and not yet consumed (so
+        results the caller drops do not pile up)."""
+        if self.workers <= 1 or len(tasks) <= 1:
+            yield from (fn(t) for t in tasks)
+            return
+        pool, window = self._executor(), 2 * self.workers
+        pending: deque = deque()
+        for t in tasks:
+            pending.append(pool.submit(fn, t))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+    def _executor(self) -> ProcessPoolExecutor:
         if self.pool is None:
             # what exists now (torch, the traced graph) outlives the workers: freezing it keeps their collections
             # from traversing it and their pages shared (the fork recipe of the gc module's docs)
             gc.freeze()
             self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("fork"))
-        return list(self.pool.map(fn, tasks, chunksize=chunksize))
+        return self.pool
 
 
-def _raise_infeasible(target: Target, min_static: float, layouts: list[Layout], results: list) -> None:
+def _raise_infeasible(target: Target, min_static: float, layouts: list[Layout], refused: list[Rejected]) -> None:
     """No layout survived: raise InfeasibleError naming the least per-device memory any layout would need."""
     gib, allowed = 1024**3, target.usable_memory_bytes / 1024**3
-    needs = [float(m) for r in results if isinstance(r, str) for m in re.findall(r"needs ([\d.]+) GiB", r)]
+    needs = [r.needs_bytes for r in refused if r.needs_bytes is not None]
     if needs:
-        raise InfeasibleError(f"memory: no layout fits; the best of {len(layouts)} needs {min(needs):.1f} GiB "
-                              f"per device, {target.name} allows {allowed:.1f} GiB")
+        raise InfeasibleError(f"memory: no layout fits; the best of {len(layouts)} needs {min(needs) / gib:.1f} GiB "
+                              f"per device, {target.name} allows {allowed:.1f} GiB", needs_bytes=min(needs))
     if min_static < float("inf"):
         raise InfeasibleError(f"memory: no layout of {len(layouts)} fits; the best needs at least "
                               f"{min_static / gib:.1f} GiB per device for model states alone, {target.name} "
-                              f"allows {allowed:.1f} GiB")
-    raise LayoutError(f"layout: none of {len(layouts)} layouts is valid: {results[0] if results else 'none left'}")
+                              f"allows {allowed:.1f} GiB", needs_bytes=min_static)
+    raise LayoutError(f"layout: none of {len(layouts)} layouts is valid: "
+                      f"{refused[0].message if refused else 'none left'}")

@@ -64,7 +64,7 @@ class PlanMemoryPass:
                 with_what = "even with full recompute" if asked == "auto" else f"with recompute {asked!r}"
                 raise InfeasibleError(
                     f"memory: pp rank {r} needs {mem.total_bytes / GIB:.1f} GiB per device {with_what} "
-                    f"({lay.short()}); {state.target.name} allows {budget / GIB:.1f} GiB")
+                    f"({lay.short()}); {state.target.name} allows {budget / GIB:.1f} GiB", needs_bytes=mem.total_bytes)
             stages.append(mem)
         return state.with_(memory=MemoryPlan(stages=tuple(stages), budget_bytes=budget))
 

@@ -46,6 +46,21 @@ def test_free_search_no_worse_than_reported(pangu_fixed):
     assert free.result.num_evaluated >= 1 and sum(free.result.rejected.values()) > 0
 
 
+def test_search_holds_only_the_fastest_it_evaluated():
+    # memory does not grow with --candidates: only `keep` evaluated layouts are held whole, the same ones in the
+    # same order as when every one is kept, whether evaluated in this process or in workers
+    kw = dict(spec=load_spec("mixtral-8x22b"), target=load_target("h100"), num_devices=64,
+              fixed=Fixed(global_batch=256, seq_len=4096), candidates=10)
+    every = compile_model(**kw, keep=10, workers=1).result
+    few = compile_model(**kw, keep=3, workers=2).result
+    steps = [e.state.prediction.step_time_s for e in every.ranked]
+    assert len(steps) > 3 and steps == sorted(steps)
+    assert few.num_evaluated == every.num_evaluated == 10 and len(few.ranked) == 3
+    assert [(e.state.layout, e.state.strategy, e.state.prediction.step_time_s) for e in few.ranked] == \
+        [(e.state.layout, e.state.strategy, e.state.prediction.step_time_s) for e in every.ranked[:3]]
+    assert few.rejected == every.rejected
+
+
 def test_plan_round_trip_and_resimulate(tmp_path, pangu_fixed):
     path = tmp_path / "plan.yaml"
     save_plan(pangu_fixed.plan, path)
