@@ -78,7 +78,7 @@ class Evaluated:
 @dataclass(frozen=True)
 class Rejected:
     """A candidate the full pipeline refused: the countable reason, the one-line message, and for a memory
-    rejection the bytes per device its fullest PP rank needed under the last recompute mode tried."""
+    rejection the bytes per device of the first PP rank that fit under no recompute mode (at the last one tried)."""
 
     reason: str
     message: str
@@ -391,7 +391,9 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
             rejected[rejection_reason(e)] += 1
             continue
         pkey = (lay.tp, lay.pp, lay.ep)  # what stage_params depends on
-        params = params_of.get(pkey) or params_of.setdefault(pkey, stage_params(lay, graph, counts))
+        params = params_of.get(pkey)
+        if params is None:
+            params = params_of[pkey] = stage_params(lay, graph, counts)
         static = static_bytes(lay, params)
         if static > target.usable_memory_bytes:
             min_static = min(min_static, static)
