@@ -827,9 +827,7 @@ def _issue_comm(st: _State, r: int, p: _Part, i: int, dep: float, host: float, f
         p.queued[i] = (start, behind)
     secs = prog.secs[i]
     end = start + secs
-    stat = st.stats[r].get(cls)
-    if stat is None:
-        stat = st.stats[r][cls] = [0.0] * 6
+    stat = st.stat(r, cls)
     intra, inter = prog.wire[i]
     stat[0] += secs
     stat[4] += intra
