@@ -83,13 +83,15 @@ def compile_cmd(
     top: int = typer.Option(1, "--top", help="print the best K layouts"),
     candidates: int = typer.Option(4, "--candidates",
                                    help="layouts simulated with the full pipeline (at least --top)"),
+    exact: bool = typer.Option(False, "--exact", help="simulate every layout whose lower bound is below the best "
+                                                      "found: the optimum under the cost model (slow)"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary instead of tables"),
 ) -> None:
     """Compile MODEL for DEVICES devices of TARGET into a plan."""
     from moeplan.compile import compile_model
     from moeplan.compiler import DEFAULT_PIPELINE
     from moeplan.plan import save_plan
-    from moeplan.render import layout_dict, predicted_dict, render_plan, render_search
+    from moeplan.render import layout_dict, predicted_dict, render_plan, render_search, search_dict, search_summary
     from moeplan.search import Fixed
     from moeplan.spec import load_spec
     from moeplan.targets import load_target
@@ -106,7 +108,8 @@ def compile_cmd(
                   cp=cp, micro_batch=micro_batch, **strategy_options(schedule=schedule, dispatcher=dispatcher,
                                                                      overlap=overlap, recompute=recompute))
     res = compile_model(spec=spec, target=tgt, num_devices=devices, fixed=fixed,
-                        pipeline=pipeline or DEFAULT_PIPELINE, candidates=max(candidates, top), keep=top)
+                        pipeline=pipeline or DEFAULT_PIPELINE, candidates=None if exact else max(candidates, top),
+                        keep=top)
     if output:
         save_plan(res.plan, output)
     if as_json:
@@ -115,12 +118,13 @@ def compile_cmd(
                    "imbalance": res.plan.stages.imbalance, "stages_reason": res.plan.stages.reason,
                    "top": [{"layout": e.state.layout.short(), "strategy": e.state.strategy.short(),
                             "step_time_s": e.state.prediction.step_time_s} for e in res.result.ranked[:top]],
-                   "rejected": dict(res.result.rejected), "plan": output}
+                   "rejected": dict(res.result.rejected), "search": search_dict(res.result), "plan": output}
         out.print_json(json.dumps(summary))
         return
     render_plan(out, res.plan)
     if top > 1 or res.result.rejected:
         render_search(out, res.result, top)
+    out.print(search_summary(res.result))
     out.print(f"compiled in {res.compile_s:.2f} s" + (f"; plan written to {output}" if output else ""))
 
 

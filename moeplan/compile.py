@@ -32,10 +32,11 @@ class CompileResult:
 
 
 def compile_model(*, spec: ModelSpec, target: Target, num_devices: int, fixed: Fixed,
-                  pipeline: str = DEFAULT_PIPELINE, candidates: int = 4, workers: int | None = None,
+                  pipeline: str = DEFAULT_PIPELINE, candidates: int | None = 4, workers: int | None = None,
                   keep: int = 1) -> CompileResult:
     """Trace ``spec``, search layouts for ``num_devices`` devices of ``target`` and return the best plan;
-    ``result.ranked`` holds the ``keep`` fastest of the ``candidates`` evaluated.
+    ``result.ranked`` holds the ``keep`` fastest of those evaluated (``candidates``: how many best estimates go
+    through the full pipeline; None: the exact search of moeplan.search).
 
     Raises SpecError / LayoutError / PlanError for bad input and InfeasibleError when no layout fits in memory.
     """

@@ -119,3 +119,19 @@ def render_search(console: Console, result: SearchResult, top: int) -> None:
     console.print(t)
     if result.rejected:
         console.print("rejected: " + "; ".join(f"{n} × {r}" for r, n in result.rejected.most_common()))
+
+
+def search_summary(result: SearchResult) -> str:
+    """One line: options simulated and pruned, and how far from the optimum the best can be (moeplan/bounds.py)."""
+    head = (f"search: {result.num_options} options, {result.num_evaluated} through the full pipeline, "
+            f"{result.num_pruned} pruned by a lower bound; ")
+    if result.gap <= 0:
+        return head + "the plan is the optimum under the cost model (no option left can beat it)"
+    return head + (f"the options left are bounded below by {result.bound_s:.3f} s: the plan is within "
+                   f"{result.gap:.1%} of the optimum (--exact proves it)")
+
+
+def search_dict(result: SearchResult) -> dict:
+    """The search's counts and bound for ``--json``."""
+    return {"options": result.num_options, "evaluated": result.num_evaluated, "pruned": result.num_pruned,
+            "bound_s": None if result.bound_s == float("inf") else result.bound_s, "gap": max(0.0, result.gap)}

@@ -9,16 +9,22 @@
    (passes/schedule.py), the dispatcher (``auto``: the one whose EP dispatch is fastest for the layout), and the
    overlap mechanisms (``auto``: every one the target's runtime runs that applies: ``shared-expert`` with shared
    experts and EP, ``fb`` on the schedules that pair a forward with a backward). Fixed choices are honoured.
-4. **Estimate** each (layout, strategy) in closed form (:func:`estimate_step`): per-layer costs from ``shard``
-   (cached per tp, cp, ep, etp, micro-batch, dispatcher), each layer's forward, backward and overlapped
-   forward-backward pair priced on an idle rank by the timeline, the recompute mode the memory estimate needs, the
-   slowest chunk of the best stage split, the schedule's bubble and the DP and optimizer tail
-   (docs/step-model.md §4).
+4. **Estimate and bound** each (layout, strategy) in closed form: :func:`estimate_step` from per-layer costs
+   from ``shard`` (cached per tp, cp, ep, etp, micro-batch, dispatcher), each layer's forward, backward and
+   overlapped forward-backward pair priced on an idle rank by the timeline, the recompute mode the memory estimate
+   needs, the slowest chunk of the best stage split, the schedule's bubble and the DP and optimizer tail
+   (docs/step-model.md §4); and a lower bound no plan of the option can beat (moeplan/bounds.py,
+   docs/step-model.md §7).
 5. **Evaluate** the ``candidates`` best estimates (those whose memory estimate fits first) with the full pipeline
    in parallel processes and rank them by simulated step time, holding only the ``keep`` fastest whole (memory does
-   not grow with ``candidates``). A candidate the memory pass finds infeasible is retried without ``fb`` when the
-   overlap set was chosen automatically (``fb`` keeps one more micro-batch in flight), else counted (a typed
-   :class:`Rejected`) and dropped.
+   not grow with the number evaluated). An option whose bound is not below the ``keep``-th best step found so far
+   is pruned: skipped, or stopped before the simulation once ``plan-memory`` has fixed its stages and recompute
+   (:func:`moeplan.bounds.plan_bound`, a tighter bound). A candidate the memory pass finds infeasible is retried
+   without ``fb`` when the overlap set was chosen automatically (``fb`` keeps one more micro-batch in flight), else
+   counted (a typed :class:`Rejected`) and dropped.
+6. **Exact** (``candidates=None``): after the best estimates, every other option in order of its bound until the
+   next bound is not below the best step: what is left provably cannot beat it. Otherwise the result reports the
+   least bound of the options left unsimulated, so the caller knows how far from the optimum the best can be.
 """
 from __future__ import annotations
 
@@ -28,11 +34,12 @@ import os
 import re
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from multiprocessing import get_context
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
+from moeplan.bounds import SPLIT_BACKWARD, PieceSums, floors, layout_bound, norm_s, piece_sums, plan_bound
 from moeplan.compiler import parse_pipeline, run_pipeline
 from moeplan.cost_models.dispatch import hierarchical_valid
 from moeplan.cost_models.layer_program import ep_transfer, expert_group
@@ -46,7 +53,7 @@ from moeplan.passes.plan_memory import MODES, saved_bytes
 from moeplan.passes.schedule import FB_PAIRED, in_flight_bound, placement_of, schedule_fits, stage_rank
 from moeplan.passes.simulate import adam_s, beside_compute, dp_sync_s, recompute_work
 from moeplan.passes.shard import layer_cost
-from moeplan.state import Dispatcher, Mechanism, PlanState, ScheduleKind, Strategy
+from moeplan.state import Dispatcher, LayerCost, Mechanism, PlanState, ScheduleKind, Strategy
 from moeplan.targets import Target
 
 
@@ -86,14 +93,34 @@ class Rejected:
 
 
 @dataclass(frozen=True)
+class Pruned:
+    """A candidate the full pipeline stopped before simulating: its plan's lower bound
+    (:func:`moeplan.bounds.plan_bound`, seconds) was not below the best step found when it was sent."""
+
+    bound_s: float
+
+
+@dataclass(frozen=True)
 class SearchResult:
     """The ``keep`` fastest evaluated layouts, best first (only those are kept whole: any number of candidates
-    fits in bounded memory), rejections counted by reason, and how many layouts were enumerated and evaluated."""
+    fits in bounded memory), rejections counted by reason, how many layouts were enumerated, how many (layout,
+    strategy) options there were, how many the full pipeline simulated or refused (``num_evaluated``) and how many
+    were pruned (never simulated: their lower bound was not below the step to beat then), and ``bound_s``: the least lower bound of the options left unsimulated and unpruned (``inf`` when none is
+    left: then the best is the optimum of the whole space under the cost model)."""
 
     ranked: tuple[Evaluated, ...]
     rejected: Counter  # reason -> count
     num_enumerated: int
     num_evaluated: int
+    num_options: int = 0
+    num_pruned: int = 0
+    bound_s: float = float("inf")
+
+    @property
+    def gap(self) -> float:
+        """How much faster than the best found an option left unsimulated could be, at most: ``best / bound_s −
+        1`` (≤ 0: the best is provably the optimum)."""
+        return self.ranked[0].state.prediction.step_time_s / self.bound_s - 1  # type: ignore[union-attr]
 
 
 def _divisors(n: int) -> list[int]:
@@ -166,14 +193,7 @@ def _model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: D
     redo = dict.fromkeys(MODES, 0.0)
     act = dict.fromkeys(MODES, 0.0)
     for kind, n in counts.items():
-        lg = graph.layer(kind)
-        key = (kind, layout.tp, layout.cp, layout.micro_batch) + (
-            (layout.ep, layout.etp, dispatcher) if lg.expert_param_count else ())
-        if key not in cache:
-            lc = layer_cost(lg, spec=graph.spec, layout=layout, target=target, dispatcher=dispatcher,
-                            op_times=cache.setdefault("op_times", {}))
-            cache[key] = (lc, {m: recompute_work(lc, m)[0] for m in MODES}, {m: saved_bytes(lc, m) for m in MODES})
-        lc, lr, la = cache[key]
+        key, (lc, lr, la) = _priced(graph, kind, layout, target, dispatcher, cache)
         prog = lc.program
         # the prices depend only on the mechanisms the layer's collectives name (async_by) and on fb
         used = overlap & ({s.async_by for s in prog.fwd + prog.bwd_input} | {"fb"})
@@ -187,6 +207,20 @@ def _model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: D
             redo[m] += n * lr[m]
             act[m] += n * la[m]
     return ModelCost(f, i, w, pair, redo, act)
+
+
+def _priced(graph: ModelGraph, kind: LayerKind, layout: Layout, target: Target, dispatcher: Dispatcher,
+            cache: dict) -> tuple[tuple, tuple[LayerCost, dict[str, float], dict[str, float]]]:
+    """(cache key, (layer cost, recompute seconds per mode, activation bytes per mode)) of one layer kind, priced
+    once per what it depends on (:func:`_model_cost`)."""
+    lg = graph.layer(kind)
+    key = (kind, layout.tp, layout.cp, layout.micro_batch) + (
+        (layout.ep, layout.etp, dispatcher) if lg.expert_param_count else ())
+    if key not in cache:
+        lc = layer_cost(lg, spec=graph.spec, layout=layout, target=target, dispatcher=dispatcher,
+                        op_times=cache.setdefault("op_times", {}))
+        cache[key] = (lc, {m: recompute_work(lc, m)[0] for m in MODES}, {m: saved_bytes(lc, m) for m in MODES})
+    return key, cache[key]
 
 
 def stage_params(layout: Layout, graph: ModelGraph, counts: Counter) -> tuple[float, float]:
@@ -334,17 +368,26 @@ def _cheapest_dispatcher(layout: Layout, graph: ModelGraph, target: Target, cach
     return best  # type: ignore[return-value]
 
 
-def _evaluate(args: tuple[Layout, Strategy, str, bool]) -> Evaluated | Rejected:
-    layout, strategy, pipeline, auto_overlap = args
+def _evaluate(args: tuple[Layout, Strategy, str, bool, float]) -> Evaluated | Rejected | Pruned:
+    """Run the full pipeline on one option. ``beat``: the best step found so far; when the pipeline ends with
+    ``simulate``, a plan whose lower bound is not below it stops before the simulation (a :class:`Pruned`)."""
+    layout, strategy, pipeline, auto_overlap, beat = args
     graph, target = _SHARED["graph"], _SHARED["target"]
     passes = parse_pipeline(pipeline)
+    split = len(passes) - 1 if passes[-1].name == "simulate" else len(passes)
     tries = [strategy]
     if auto_overlap and "fb" in strategy.overlap:
         tries.append(replace(strategy, overlap=strategy.overlap - {"fb"}))
     for attempt in tries:
         try:
             state, timings = run_pipeline(PlanState(graph=graph, target=target, layout=layout, strategy=attempt),
-                                          passes)
+                                          passes[:split])
+            if split < len(passes) and state.memory is not None:
+                bound = plan_bound(state)
+                if bound >= beat:
+                    return Pruned(bound)
+                state, last = run_pipeline(state, passes[split:])
+                timings += last
         except InfeasibleError as e:
             error = Rejected("memory: plan exceeds device memory under every recompute mode", str(e), e.needs_bytes)
             continue
@@ -357,19 +400,20 @@ def _evaluate(args: tuple[Layout, Strategy, str, bool]) -> Evaluated | Rejected:
 def _check_fixed(fixed: Fixed, target: Target) -> None:
     """Refuse a fixed schedule, dispatcher or mechanism the target's runtime does not execute."""
     caps = target.runtime
-    for field, chosen, allowed in (("schedule", [fixed.schedule] if fixed.schedule else [], caps.schedules),
+    for name, chosen, allowed in (("schedule", [fixed.schedule] if fixed.schedule else [], caps.schedules),
                                    ("dispatcher", [fixed.dispatcher] if fixed.dispatcher else [], caps.dispatchers),
                                    ("overlap", sorted(fixed.overlap or ()), caps.overlap)):
         bad = [c for c in chosen if c not in allowed]
         if bad:
-            raise LayoutError(f"{field}={bad[0]!r}: the runtime behind target {target.name} executes only "
+            raise LayoutError(f"{name}={bad[0]!r}: the runtime behind target {target.name} executes only "
                               f"{', '.join(allowed) or 'none'}")
 
 
 def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed, pipeline: str,
-           candidates: int = 4, workers: int | None = None, keep: int = 1) -> SearchResult:
-    """Find the fastest layouts; see the module docstring. ``keep``: how many of the evaluated ones the result
-    holds whole (the rest are counted, not kept). Raises LayoutError if no layout is valid, and InfeasibleError
+           candidates: int | None = 4, workers: int | None = None, keep: int = 1) -> SearchResult:
+    """Find the fastest layouts; see the module docstring. ``candidates``: how many of the best estimates go through
+    the full pipeline; None: every option whose lower bound is below the ``keep``-th best step found (exact).
+    ``keep``: how many of the evaluated ones the result holds whole (the rest are counted, not kept). Raises LayoutError if no layout is valid, and InfeasibleError
     (with the smallest per-device memory seen) if every valid layout runs out of memory."""
     _check_fixed(fixed, target)
     dpn = target.devices_per_node
@@ -410,48 +454,95 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
                           f"micro-batches: passes/schedule.py)")
     _SHARED["graph"], _SHARED["target"] = _lean(graph), target  # what forked workers read
     try:
-        ranked, refused, evaluated = _estimate_and_evaluate(options, slots, weights, target, pipeline, candidates,
-                                                            workers, keep, auto_overlap=fixed.overlap is None)
+        out = _estimate_and_evaluate(options, slots, weights, target, pipeline, candidates, workers, keep,
+                                     auto_overlap=fixed.overlap is None)
     finally:
         _SHARED.clear()
-    rejected.update(r.reason for r in refused)
+    rejected.update(r.reason for r in out.refused)
+    ranked = out.ranked()
     if not ranked:
-        _raise_infeasible(target, min_static, layouts, refused)
+        _raise_infeasible(target, min_static, layouts, out.refused)
     return SearchResult(ranked=tuple(ranked), rejected=rejected, num_enumerated=len(layouts),
-                        num_evaluated=evaluated)
+                        num_evaluated=out.sent, num_options=len(options), num_pruned=out.pruned,
+                        bound_s=out.bound_s)
 
 
 def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, float]]], slots: list[LayerKind],
-                           weights: tuple[float, ...], target: Target, pipeline: str, candidates: int,
-                           workers: int | None, keep: int, *, auto_overlap: bool
-                           ) -> tuple[list[Evaluated], list[Rejected], int]:
-    """Steps 4 and 5 of the module docstring in one pool of worker processes: the options of one layer-cost shape
-    (:func:`_shape_key`) are priced and estimated together, the best go through the full pipeline. Returns the
-    ``keep`` fastest evaluated (best first), the rejections (small typed values) and how many were evaluated; the
-    other evaluated states are dropped as they arrive, so memory does not grow with ``candidates``."""
+                           weights: tuple[float, ...], target: Target, pipeline: str, candidates: int | None,
+                           workers: int | None, keep: int, *, auto_overlap: bool) -> _Outcome:
+    """Steps 4–6 of the module docstring in one pool of worker processes: the options of one layer-cost shape
+    (:func:`_shape_key`) are priced, estimated and bounded together; the best estimates go through the full
+    pipeline, then (``candidates=None``) every option whose bound is below the best step found, in bound order. The
+    ``keep`` fastest evaluated are held whole, the others dropped as they arrive (memory does not grow with the
+    number evaluated)."""
     groups: dict[tuple, list[tuple[Layout, Strategy, tuple[float, float]]]] = {}
     for opt in options:
         groups.setdefault(_shape_key(opt[0], opt[1]), []).append(opt)
-    _SHARED["counts"], _SHARED["weights"] = Counter(slots), weights
+    _SHARED["counts"], _SHARED["weights"], _SHARED["slots"] = Counter(slots), weights, slots
     tasks = list(groups.values())
-    best: list[tuple[float, int, Evaluated]] = []  # max-heap on (step, order) of the `keep` fastest so far
-    refused: list[Rejected] = []
+    out = _Outcome(keep)
     with _Pool(workers) as pool:
-        survivors = [x for part in pool.map(_estimate_shape, tasks, chunksize=max(1, len(tasks) // 16)) for x in part]
-        survivors.sort(key=lambda x: x[0])
-        picked = [(lay, st, pipeline, auto_overlap) for _, lay, st in survivors[:candidates]]
-        del survivors
-        for i, r in enumerate(pool.imap(_evaluate, picked)):
-            if isinstance(r, Rejected):
-                refused.append(r)
-                continue
-            item = (-r.state.prediction.step_time_s, -i, r)
-            if len(best) < keep:
-                heapq.heappush(best, item)
-            elif item[:2] > best[0][:2]:
-                heapq.heapreplace(best, item)
-    ranked = [e for _, _, e in sorted(best, key=lambda x: x[:2], reverse=True)]
-    return ranked, refused, len(picked)
+        scored = [x for part in pool.map(_estimate_shape, tasks, chunksize=max(1, len(tasks) // 16)) for x in part]
+        scored.sort(key=lambda x: x[0])
+        first = scored[:candidates if candidates is not None else max(keep, 4)]
+        rest = sorted(scored[len(first):], key=lambda x: x[1])
+        del scored
+
+        def sends() -> Iterator[tuple[Layout, Strategy, str, bool, float]]:
+            for _, bound, lay, st in first:
+                if bound < out.beat_s:
+                    yield lay, st, pipeline, auto_overlap, out.beat_s
+                else:
+                    out.pruned += 1
+            if candidates is not None:  # the rest stay unsimulated: the least bound of those that could win
+                out.pruned += sum(1 for x in rest if x[1] >= out.beat_s)
+                out.bound_s = min((x[1] for x in rest if x[1] < out.beat_s), default=float("inf"))
+                return
+            for i, (_, bound, lay, st) in enumerate(rest):
+                if bound >= out.beat_s:  # in bound order: none of the rest can beat the best
+                    out.pruned += len(rest) - i
+                    return
+                yield lay, st, pipeline, auto_overlap, out.beat_s
+
+        for r in pool.imap(_evaluate, sends()):
+            out.add(r)
+    return out
+
+
+@dataclass
+class _Outcome:
+    """What the evaluation loop has so far: the ``keep`` fastest (a heap whose top is the slowest of them), the
+    refusals, how many options the full pipeline simulated or refused (``sent``) and how many a bound pruned (before
+    or inside the pipeline), and the least bound left."""
+
+    keep: int
+    best: list[tuple[float, int, Evaluated]] = field(default_factory=list)
+    refused: list[Rejected] = field(default_factory=list)
+    sent: int = 0
+    pruned: int = 0
+    bound_s: float = float("inf")
+
+    @property
+    def beat_s(self) -> float:
+        """The step an option must beat to enter the ``keep`` fastest: the slowest of them once there are
+        ``keep``, else ``inf``."""
+        return -self.best[0][0] if len(self.best) >= self.keep else float("inf")
+
+    def add(self, r: Evaluated | Rejected | Pruned) -> None:
+        self.sent += not isinstance(r, Pruned)
+        if isinstance(r, Rejected):
+            self.refused.append(r)
+        elif isinstance(r, Pruned):
+            self.pruned += 1
+        else:
+            item = (-r.state.prediction.step_time_s, -self.sent, r)  # type: ignore[union-attr]
+            if len(self.best) < self.keep:
+                heapq.heappush(self.best, item)
+            elif item[:2] > self.best[0][:2]:
+                heapq.heapreplace(self.best, item)
+
+    def ranked(self) -> list[Evaluated]:
+        return [e for _, _, e in sorted(self.best, key=lambda x: x[:2], reverse=True)]
 
 
 _SHARED: dict = {}
@@ -469,19 +560,32 @@ def _shape_key(layout: Layout, strategy: Strategy) -> tuple:
 
 
 def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
-                    ) -> list[tuple[tuple[bool, float], Layout, Strategy]]:
-    """(sort key, layout, strategy) of each option of one layer-cost shape: the options whose memory estimate
-    fits first, then by estimated step."""
-    graph, target, counts = _SHARED["graph"], _SHARED["target"], _SHARED["counts"]
+                    ) -> list[tuple[tuple[bool, float], float, Layout, Strategy]]:
+    """(sort key, lower bound, layout, strategy) of each option of one layer-cost shape: the sort key puts the
+    options whose memory estimate fits first, then orders by estimated step; the bound is
+    :func:`moeplan.bounds.layout_bound`."""
+    graph, target, counts, slots = _SHARED["graph"], _SHARED["target"], _SHARED["counts"], _SHARED["slots"]
     cache = _SHARED.setdefault("costs", {})  # per process: forked workers each keep their own
     out = []
     costs: dict[frozenset, ModelCost] = {}  # the options of one shape differ in their overlap sets only
+    sums: dict[tuple, PieceSums] = {}
+    opt_floor = norm_s(options[0][0].world_size, target)
     for lay, st, params in options:
         cost = costs.get(st.overlap)
         if cost is None:
             cost = costs[st.overlap] = _model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache)
         est = estimate_step(lay, st, cost, weights=_SHARED["weights"], params=params, target=target)
-        out.append(((not est.fits, est.step_s), lay, st))
+        skey = (st.overlap, st.schedule in FB_PAIRED, st.schedule in SPLIT_BACKWARD)
+        if skey not in sums:
+            per_kind = {}
+            for k in counts:
+                key, (lc, _, _) = _priced(graph, k, lay, target, st.dispatcher, cache)
+                if (key, skey[:2]) not in cache:
+                    cache[(key, skey[:2])] = floors(lc, st)
+                per_kind[k] = cache[(key, skey[:2])]
+            sums[skey] = piece_sums([per_kind[k] for k in slots], st)
+        bound = layout_bound(sums[skey], pp=lay.pp, num_microbatches=lay.num_microbatches, opt_floor_s=opt_floor)
+        out.append(((not est.fits, est.step_s), bound, lay, st))
     return out
 
 
@@ -506,17 +610,16 @@ class _Pool:
             return [fn(t) for t in tasks]
         return list(self._executor().map(fn, tasks, chunksize=chunksize))
 
-    def imap(self, fn, tasks: list) -> Iterator:  # type: ignore[no-untyped-def]
+    def imap(self, fn, tasks: Iterable) -> Iterator:  # type: ignore[no-untyped-def]
         """``fn`` of each task, in order, with at most two tasks per worker submitted and not yet consumed (so
-        results the caller drops do not pile up)."""
-        if self.workers <= 1 or len(tasks) <= 1:
+        results the caller drops do not pile up, and ``tasks``, read lazily, may depend on the results so far)."""
+        if self.workers <= 1:
             yield from (fn(t) for t in tasks)
             return
-        pool, window = self._executor(), 2 * self.workers
         pending: deque = deque()
         for t in tasks:
-            pending.append(pool.submit(fn, t))
-            if len(pending) >= window:
+            pending.append(self._executor().submit(fn, t))
+            if len(pending) >= 2 * self.workers:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()

@@ -85,7 +85,7 @@ def _layer_backward(cost: LayerCost, mode: Recompute, *, weight: bool) -> tuple[
     at: dict[int, list[Segment]] = {}
     for w in weights:
         at.setdefault(max(w.after, default=len(dx) - 1), []).append(w)
-    new_index, out = {}, []
+    new_index, out = {}, list(at.get(-1, []))  # a layer without dX (the embedding) still has its dW
     for i, s in enumerate(dx):
         new_index[i] = len(out)
         out.append(s)
