@@ -36,7 +36,7 @@ from typing import Sequence
 from moeplan.cost_models.comm import collective_time_s, group_tier
 from moeplan.ir import kind_of
 from moeplan.passes.schedule import FB_PAIRED, placement_of, stage_rank
-from moeplan.passes.simulate import NORM_BYTES, _redo, dp_collectives, optimizer_s
+from moeplan.passes.simulate import NORM_BYTES, recompute_segments, dp_collectives, optimizer_s
 from moeplan.state import LayerCost, PlanState, Recompute, Segment, Strategy
 from moeplan.targets import Target
 
@@ -78,7 +78,7 @@ def floors(cost: LayerCost, strategy: Strategy) -> Floors:
     bulk = [s.comm for s in segs if s.comm is not None and not s.host_sync]
     return Floors(fwd=_stream_s(prog.fwd, strategy), bwd_input=_stream_s(prog.bwd_input, strategy),
                   bwd_weight=_stream_s(prog.bwd_weight, strategy),
-                  redo={m: _stream_s(_redo(cost, m), strategy) for m in ("none", "selective", "full")},
+                  redo={m: _stream_s(recompute_segments(cost, m), strategy) for m in ("none", "selective", "full")},
                   intra=sum(c.busy_s("intra") for c in bulk), inter=sum(c.busy_s("inter") for c in bulk))
 
 

@@ -64,7 +64,7 @@ def recompute_work(cost: LayerCost, mode: Recompute) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def _redo(cost: LayerCost, mode: Recompute) -> tuple[Segment, ...]:
+def recompute_segments(cost: LayerCost, mode: Recompute) -> tuple[Segment, ...]:
     """What ``mode`` recomputes of a layer before its backward."""
     if mode == "full":
         return cost.program.fwd
@@ -76,7 +76,7 @@ def _redo(cost: LayerCost, mode: Recompute) -> tuple[Segment, ...]:
 def _layer_backward(cost: LayerCost, mode: Recompute, *, weight: bool) -> tuple[Segment, ...]:
     """A layer's dX segments, preceded by its recompute, and (``weight``) each dW segment right after the last dX
     segment it needs (autograd computes a weight's gradient where it meets the op)."""
-    redo = _redo(cost, mode)
+    redo = recompute_segments(cost, mode)
     dx = concat_segments([redo, cost.program.bwd_input]) if redo else cost.program.bwd_input
     if not weight:
         return dx
