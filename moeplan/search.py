@@ -105,8 +105,9 @@ class SearchResult:
     """The ``keep`` fastest evaluated layouts, best first (only those are kept whole: any number of candidates
     fits in bounded memory), rejections counted by reason, how many layouts were enumerated, how many (layout,
     strategy) options there were, how many the full pipeline simulated or refused (``num_evaluated``) and how many
-    were pruned (never simulated: their lower bound was not below the step to beat then), and ``bound_s``: the least lower bound of the options left unsimulated and unpruned (``inf`` when none is
-    left: then the best is the optimum of the whole space under the cost model)."""
+    were pruned (never simulated: their lower bound was not below the step to beat then), and ``bound_s``: the
+    least lower bound of the options left unsimulated and unpruned (``inf`` when none is left: then the best is the
+    optimum of the whole space under the cost model)."""
 
     ranked: tuple[Evaluated, ...]
     rejected: Counter  # reason -> count
