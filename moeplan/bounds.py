@@ -33,12 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from moeplan.cost_models.comm import collective_time_s, group_tier
 from moeplan.ir import kind_of
+from moeplan.passes.plan_memory import MODES
 from moeplan.passes.schedule import FB_PAIRED, placement_of, stage_rank
-from moeplan.passes.simulate import NORM_BYTES, recompute_segments, dp_collectives, optimizer_s
+from moeplan.passes.simulate import dp_collectives, optimizer_s, recompute_segments
 from moeplan.state import LayerCost, PlanState, Recompute, Segment, Strategy
-from moeplan.targets import Target
 
 SPLIT_BACKWARD = frozenset({"zero-bubble", "zbv", "dualpipev"})
 """Schedules whose backward runs as separate input- and weight-gradient actions (passes/schedule.py): their drain
@@ -78,7 +77,7 @@ def floors(cost: LayerCost, strategy: Strategy) -> Floors:
     bulk = [s.comm for s in segs if s.comm is not None and not s.host_sync]
     return Floors(fwd=_stream_s(prog.fwd, strategy), bwd_input=_stream_s(prog.bwd_input, strategy),
                   bwd_weight=_stream_s(prog.bwd_weight, strategy),
-                  redo={m: _stream_s(recompute_segments(cost, m), strategy) for m in ("none", "selective", "full")},
+                  redo={m: _stream_s(recompute_segments(cost, m), strategy) for m in MODES},
                   intra=sum(c.busy_s("intra") for c in bulk), inter=sum(c.busy_s("inter") for c in bulk))
 
 
@@ -86,14 +85,6 @@ def _drain(f: Floors, mode: Recompute, split: bool) -> float:
     """Floor of one layer's backward action on the drain chain: its input gradient (and weight gradient when the
     schedule does not split them) with the forward redone before it."""
     return f.bwd_input + f.redo[mode] + (0.0 if split else f.bwd_weight)
-
-
-def norm_s(world: int, target: Target) -> float:
-    """The clipping norm's all-reduce over every rank of the step (part of every rank's optimizer step)."""
-    if world <= 1:
-        return 0.0
-    tier = group_tier(stride=1, group_size=world, devices_per_node=target.devices_per_node)
-    return collective_time_s(kind="all_reduce", bytes=NORM_BYTES, group_size=world, tier=tier, target=target)
 
 
 def water_level(costs: Sequence[float], work: float) -> float:

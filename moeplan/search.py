@@ -39,7 +39,7 @@ from functools import lru_cache
 from multiprocessing import get_context
 from typing import Iterable, Iterator, Mapping
 
-from moeplan.bounds import SPLIT_BACKWARD, PieceSums, floors, layout_bound, norm_s, piece_sums, plan_bound
+from moeplan.bounds import SPLIT_BACKWARD, PieceSums, floors, layout_bound, piece_sums, plan_bound
 from moeplan.compiler import parse_pipeline, run_pipeline
 from moeplan.cost_models.dispatch import hierarchical_valid
 from moeplan.cost_models.layer_program import ep_transfer, expert_group
@@ -51,7 +51,7 @@ from moeplan.layout import Layout, check_layout
 from moeplan.passes.partition_stages import min_max_partition
 from moeplan.passes.plan_memory import MODES, saved_bytes
 from moeplan.passes.schedule import FB_PAIRED, in_flight_bound, placement_of, schedule_fits, stage_rank
-from moeplan.passes.simulate import adam_s, beside_compute, dp_sync_s, recompute_work
+from moeplan.passes.simulate import adam_s, beside_compute, dp_sync_s, norm_s, recompute_work
 from moeplan.passes.shard import layer_cost
 from moeplan.state import Dispatcher, LayerCost, Mechanism, PlanState, ScheduleKind, Strategy
 from moeplan.targets import Target

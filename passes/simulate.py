@@ -239,6 +239,15 @@ def _optimizer_launch_s(state: PlanState, names: list[str]) -> float:
     return kernels * tgt.launch.forward_kernel_s
 
 
+def norm_s(world: int, target: Target) -> float:
+    """Seconds of the clipping norm's all-reduce (``NORM_BYTES``) over all ``world`` ranks of the step, part of
+    every rank's optimizer step (module docstring); 0 on one rank."""
+    if world <= 1:
+        return 0.0
+    tier = group_tier(stride=1, group_size=world, devices_per_node=target.devices_per_node)
+    return collective_time_s(kind="all_reduce", bytes=NORM_BYTES, group_size=world, tier=tier, target=target)
+
+
 def optimizer_s(state: PlanState, rank: int) -> float:
     """Adam update and the clipping norm's all-reduce on one device of PP rank ``rank`` (module docstring)."""
     lay, tgt, spec = state.layout, state.target, state.graph.spec
@@ -247,11 +256,7 @@ def optimizer_s(state: PlanState, rank: int) -> float:
     lcs = [state.sharding.layer_costs[kind_of(spec, n)] for n in names]
     dense = sum(c.params - c.expert_params for c in lcs)
     expert = sum(c.expert_params for c in lcs)
-    t = 0.0
-    if lay.world_size > 1:
-        tier = group_tier(stride=1, group_size=lay.world_size, devices_per_node=tgt.devices_per_node)
-        t += collective_time_s(kind="all_reduce", bytes=NORM_BYTES, group_size=lay.world_size, tier=tier, target=tgt)
-    return t + adam_s(dense / (lay.dp * lay.cp) + expert / lay.expert_dp, tgt) + _optimizer_launch_s(state, names)
+    return norm_s(lay.world_size, tgt) + adam_s(dense / (lay.dp * lay.cp) + expert / lay.expert_dp, tgt) + _optimizer_launch_s(state, names)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moeplan.search as search_mod
-from moeplan.bounds import floors, layout_bound, norm_s, piece_sums, plan_bound, water_level
+from moeplan.bounds import floors, layout_bound, piece_sums, plan_bound, water_level
 from moeplan.ir import named_layers
+from moeplan.passes.simulate import norm_s
 from moeplan.search import Fixed, search
 from moeplan.spec import ModelSpec, load_spec
 from moeplan.targets import load_target
