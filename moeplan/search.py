@@ -44,13 +44,13 @@ from moeplan.compiler import parse_pipeline, run_pipeline
 from moeplan.cost_models.dispatch import hierarchical_valid
 from moeplan.cost_models.layer_program import ep_transfer, expert_group
 from moeplan.cost_models.memory import model_state_bytes
-from moeplan.cost_models.timeline import action_time_s
+from moeplan.cost_models.timeline import action_time_s, concat_segments
 from moeplan.errors import InfeasibleError, LayoutError
 from moeplan.ir import LayerKind, ModelGraph, named_layers
 from moeplan.layout import Layout, check_layout
-from moeplan.passes.partition_stages import min_max_partition
+from moeplan.passes.partition_stages import SLOT_KINDS, split_runs
 from moeplan.passes.plan_memory import MODES, saved_bytes
-from moeplan.passes.schedule import FB_PAIRED, in_flight_bound, placement_of, schedule_fits, stage_rank
+from moeplan.passes.schedule import FB_PAIRED, Placement, in_flight_bound, placement_of, schedule_fits, stage_rank
 from moeplan.passes.simulate import adam_s, beside_compute, dp_sync_s, norm_s, recompute_work
 from moeplan.passes.shard import layer_cost
 from moeplan.state import Dispatcher, LayerCost, Mechanism, PlanState, ScheduleKind, Strategy
@@ -182,32 +182,44 @@ class ModelCost:
     pair: float
     recompute_s: Mapping[str, float]
     act_bytes: Mapping[str, float]
+    edge: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # first-layer extra per action: _model_cost
 
 
 def _model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Dispatcher, overlap: frozenset,
                 counts: Counter, cache: dict) -> ModelCost:
     """:class:`ModelCost` of the slots ``counts``. ``cache`` keeps each kind's layer cost and timeline prices per
     what they depend on: (tp, cp, micro-batch) for a layer without routed experts, also (ep, etp, dispatcher) for
-    one with them."""
+    one with them.
+
+    A stage runs its layers back to back, and across an ``fb`` pair the timeline overlaps one layer's collectives
+    with the next layer's compute. So under ``fb`` a kind's pair is priced as its steady increment, the time two
+    layers of it take on an idle rank less the time one takes, and the first layer's extra (one minus the
+    increment) is charged once per pair action (``edge``, of the most common kind). Forwards and backwards alone
+    are priced one layer at a time."""
     settings = beside_compute(target, overlap)
     f = i = w = pair = 0.0
     redo = dict.fromkeys(MODES, 0.0)
     act = dict.fromkeys(MODES, 0.0)
-    for kind, n in counts.items():
+    edge = (0.0, 0.0, 0.0, 0.0)
+    for kind, n in sorted(counts.items(), key=lambda x: x[1]):
         key, (lc, lr, la) = _priced(graph, kind, layout, target, dispatcher, cache)
         prog = lc.program
         # the prices depend only on the mechanisms the layer's collectives name (async_by) and on fb
         used = overlap & ({s.async_by for s in prog.fwd + prog.bwd_input} | {"fb"})
         if (key, used) not in cache:
             lf, li, lw = (action_time_s([x], settings) for x in (prog.fwd, prog.bwd_input, prog.weight_alone))
-            lp = action_time_s([prog.fwd, prog.backward], settings) if "fb" in overlap else lf + li + lw
-            cache[(key, used)] = (lf, li, lw, lp)
-        lf, li, lw, lp = cache[(key, used)]
+            if "fb" in overlap:
+                one = action_time_s([prog.fwd, prog.backward], settings)
+                two = action_time_s([concat_segments([prog.fwd] * 2), concat_segments([prog.backward] * 2)], settings)
+                cache[(key, used)] = ((lf, li, lw, two - one), (0.0, 0.0, 0.0, 2 * one - two))
+            else:  # without fb a pair is its forward, then its backward
+                cache[(key, used)] = ((lf, li, lw, lf + li + lw), (0.0, 0.0, 0.0, 0.0))
+        (lf, li, lw, lp), edge = cache[(key, used)]
         f, i, w, pair = f + n * lf, i + n * li, w + n * lw, pair + n * lp
         for m in MODES:
             redo[m] += n * lr[m]
             act[m] += n * la[m]
-    return ModelCost(f, i, w, pair, redo, act)
+    return ModelCost(f, i, w, pair, redo, act, edge)
 
 
 def _priced(graph: ModelGraph, kind: LayerKind, layout: Layout, target: Target, dispatcher: Dispatcher,
@@ -250,35 +262,37 @@ class Estimate:
 
 
 @lru_cache(maxsize=256)
-def rank_load(times: tuple[float, ...], pp: int, vpp: int, placement: str) -> float:
+def rank_load(times: tuple[float, ...], slots: tuple[int, ...], pp: int, vpp: int, placement: Placement) -> float:
     """How much more than the balanced ``sum(times)/pp`` the busiest PP rank computes per micro-batch when the
-    slots (``times``, pipeline order) are split into ``pp·vpp`` chunks as the partition pass's free split does
-    (:func:`~moeplan.passes.partition_stages.min_max_partition`) and the chunks are placed ``loop`` or ``v``
-    (passes/schedule.py)."""
-    runs = min_max_partition(list(times), pp * vpp)
-    assert runs is not None  # no slot capacity given: always a split
+    pieces (``times``, pipeline order; ``slots``: 1 for a decoder layer) are split into ``pp·vpp`` chunks as the
+    partition pass splits them (:func:`~moeplan.passes.partition_stages.split_runs`: equal decoder-layer counts
+    or free) and the chunks are placed ``loop`` or ``v`` (passes/schedule.py)."""
+    runs, _, _ = split_runs(list(times), list(slots), pp=pp, vpp=vpp, placement=placement)
     load = [0.0] * pp
     start = 0
     for stage, n in enumerate(runs):
-        load[stage_rank(stage, pp=pp, placement=placement)] += sum(times[start:start + n])  # type: ignore[arg-type]
+        load[stage_rank(stage, pp=pp, placement=placement)] += sum(times[start:start + n])
         start += n
     return max(load) * pp / sum(times)
 
 
 def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weights: tuple[float, ...],
-                  params: tuple[float, float], target: Target) -> Estimate:
+                  slots: tuple[int, ...], params: tuple[float, float], target: Target) -> Estimate:
     """Closed-form step estimate (docs/step-model.md §4), for ranking layouts before the full pipeline:
 
     - **Recompute**: the cheapest mode (or the fixed one) whose memory fits — model states of the average stage
       plus :func:`~moeplan.passes.schedule.in_flight_bound` micro-batch chunks of the average chunk's activations;
     - **Stages**: the pipeline flows at the pace of its busiest rank, so every pass is scaled by that rank's load
-      over the balanced ``1/pp`` (:func:`rank_load` of the slots' ``weights``, their forward + backward FLOPs:
-      how uneven the split comes out depends on the layers' granularity far more than on the layout);
+      over the balanced ``1/pp`` (:func:`rank_load` of the slots' ``weights``, their forward + backward FLOPs,
+      split as the partition pass splits, ``slots`` marking the decoder layers: how uneven the split comes out
+      depends on the layers' granularity far more than on the layout), and each
+      action pays its first layer's extra once (:class:`ModelCost` ``edge``);
     - **Schedule**: ``m`` micro-batches of work (the steady ones as overlapped pairs under ``fb``) plus the bubble
       (1F1B ``(pp−1)(F+B)``, interleaved ``/vpp``, the zero-bubble family ``(pp−1)(F+I−W)`` per chunk);
     - **DP and optimizer**: the DP collectives of the average stage (passes/simulate.py) after the last
-      backward; under ``dp`` only the reduce-scatter of the last chunk to finish its backward (one of ``vpp``),
-      which nothing is left to hide; then the Adam update of the locally owned parameters.
+      backward; under ``dp`` the reduce-scatters of the ``vpp`` chunks, each started at its chunk's last backward
+      (:func:`drain_windows`), as far as they run past the rank's last backward
+      (:func:`exposed_reduce_scatter_s`); then the Adam update of the locally owned parameters.
     """
     pp, vpp, m = layout.pp, layout.vpp, layout.num_microbatches
     static = static_bytes(layout, params)
@@ -291,10 +305,11 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
         if static + held * cost.act_bytes[mode] / chunks <= target.usable_memory_bytes:
             fits = True
             break
-    load = rank_load(weights, pp, vpp, placement_of(strategy.schedule)) / pp
-    f, w = load * cost.fwd, load * cost.bwd_weight
-    i = load * (cost.bwd_input + cost.recompute_s[mode])
-    pair = load * (cost.pair + cost.recompute_s[mode])
+    load = rank_load(weights, slots, pp, vpp, placement_of(strategy.schedule)) / pp
+    ef, ei, ew, ep = (vpp * x for x in cost.edge)  # a micro-batch is vpp actions on a rank
+    f, w = load * cost.fwd + ef, load * cost.bwd_weight + ew
+    i = load * (cost.bwd_input + cost.recompute_s[mode]) + ei
+    pair = load * (cost.pair + cost.recompute_s[mode]) + ep
     pairs = max(0, m - pp) if fb and strategy.schedule in FB_PAIRED else 0
     work = (m - pairs) * (f + i + w) + pairs * pair
     kind = strategy.schedule
@@ -307,11 +322,37 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
     dense, expert = params
     tail = adam_s(dense / (layout.dp * layout.cp) + expert / layout.expert_dp, target)
     overlap_dp = "dp" in strategy.overlap
+    rs_chunk = 0.0
     for n, group, stride in ((dense, layout.dp * layout.cp, layout.tp), (expert, layout.expert_dp, layout.tp * layout.ep)):
         if n and group > 1:
             rs, ag, _ = dp_sync_s(n / vpp if overlap_dp else n, group=group, stride=stride, target=target)
-            tail += rs if overlap_dp else rs + ag
+            if overlap_dp:
+                rs_chunk += rs
+            else:
+                tail += rs + ag
+    if rs_chunk:
+        tail += exposed_reduce_scatter_s(rs_chunk, drain_windows(kind, pp=pp, vpp=vpp, chunk_backward_s=(i + w) / vpp))
     return Estimate(step_s=work + bubble + tail, recompute=mode, fits=fits)
+
+
+def drain_windows(kind: ScheduleKind, *, pp: int, vpp: int, chunk_backward_s: float) -> list[float]:
+    """Seconds from each chunk's last backward to the end of its rank's backwards: under ``--overlap dp`` the time
+    its DP reduce-scatter has to hide in (docs/step-model.md §4). With the ``loop`` placement (interleaved,
+    zero-bubble) the last micro-batch goes backward through the chunks one after the other, each through all
+    ``pp`` ranks, so ``j·pp`` chunk backwards (``chunk_backward_s`` each) follow the ``j``-th last chunk to finish.
+    With the ``v`` placement (ZB-V, DualPipeV) rank ``pp − 1`` holds the two middle stages, so its two chunks end
+    one chunk backward apart. 1F1B has one chunk."""
+    per = pp * chunk_backward_s if placement_of(kind) == "loop" else chunk_backward_s
+    return [j * per for j in range(vpp)]
+
+
+def exposed_reduce_scatter_s(rs_chunk_s: float, windows: list[float]) -> float:
+    """Seconds the per-chunk reduce-scatters (``rs_chunk_s`` each, one link, one after the other) run past the
+    rank's last backward, when chunk ``j``'s may start ``windows[j]`` before it."""
+    free = float("-inf")
+    for start in sorted((-x for x in windows)):
+        free = max(free, start) + rs_chunk_s
+    return max(0.0, free)
 
 
 def strategies(layout: Layout, *, graph: ModelGraph, target: Target, fixed: Fixed,
@@ -480,6 +521,7 @@ def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, fl
     for opt in options:
         groups.setdefault(_shape_key(opt[0], opt[1]), []).append(opt)
     _SHARED["counts"], _SHARED["weights"], _SHARED["slots"] = Counter(slots), weights, slots
+    _SHARED["slot_flags"] = tuple(int(k in SLOT_KINDS) for k in slots)
     tasks = list(groups.values())
     out = _Outcome(keep)
     with _Pool(workers) as pool:
@@ -575,7 +617,8 @@ def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
         cost = costs.get(st.overlap)
         if cost is None:
             cost = costs[st.overlap] = _model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache)
-        est = estimate_step(lay, st, cost, weights=_SHARED["weights"], params=params, target=target)
+        est = estimate_step(lay, st, cost, weights=_SHARED["weights"], slots=_SHARED["slot_flags"], params=params,
+                            target=target)
         skey = (st.overlap, st.schedule in FB_PAIRED, st.schedule in SPLIT_BACKWARD)
         if skey not in sums:
             per_kind = {}

@@ -183,25 +183,8 @@ class PartitionStagesPass:
         times = [per_kind[k] for _, k in layers]
         slots = [int(k in SLOT_KINDS) for _, k in layers]
         placement = placement_of(state.strategy.schedule)
-        free = min_max_partition(times, pp * vpp)
-        assert free is not None
-        if placement == "v":
-            free = balance_ranks(times, free, pp=pp, placement=placement)
-        runs, capacity, note = free, None, ""
-        if self.layer_layout != "free":
-            uniform, cap = _uniform(times, slots, pp * vpp)
-            if uniform is not None and placement == "v":
-                uniform = balance_ranks(times, uniform, pp=pp, placement=placement, slots=slots, capacity=cap)
-            if uniform is None and self.layer_layout == "uniform":
-                raise LayoutError(f"layer_layout='uniform': {sum(slots)} decoder layers cannot be spread "
-                                  f"{cap} per chunk over {pp * vpp} chunks")
-            if uniform is not None:
-                slowdown = _max_run(times, uniform) / _max_run(times, free) - 1
-                if self.layer_layout == "uniform" or slowdown <= UNIFORM_TOLERANCE:
-                    runs, capacity = uniform, cap
-                else:
-                    note = (f"equal counts ({cap} per chunk, {cap * pp * vpp - sum(slots)} empty layers) would "
-                            f"make the slowest chunk {slowdown:+.1%} slower")
+        runs, capacity, note = split_runs(times, slots, pp=pp, vpp=vpp, placement=placement,
+                                          layer_layout=self.layer_layout)
         stage_names, stage_times, empties, start = [], [], [], 0
         for r in runs:
             names = [n for n, _ in layers[start:start + r]]
@@ -218,6 +201,33 @@ class PartitionStagesPass:
         reason = _reason(stage_names, pp, placement, imbalance, empties, capacity, note)
         return state.with_(stages=StagePlan(chunks=chunks, chunk_time_s=chunk_t, imbalance=imbalance,
                                             empty_layers=tuple(empties), reason=reason, placement=placement))
+
+
+def split_runs(times: list[float], slots: list[int], *, pp: int, vpp: int, placement: Placement,
+               layer_layout: Literal["auto", "free", "uniform"] = "auto") -> tuple[list[int], int | None, str]:
+    """(run lengths of the ``pp·vpp`` stages in pipeline order, decoder slots per chunk when the split is uniform
+    else None, a note on what equal counts would cost) for pieces of ``times`` seconds of which ``slots`` are
+    decoder layers (module docstring). Raises LayoutError for ``uniform`` when the slots cannot be spread evenly,
+    or when there are fewer pieces than chunks."""
+    free = min_max_partition(times, pp * vpp)
+    assert free is not None
+    if placement == "v":
+        free = balance_ranks(times, free, pp=pp, placement=placement)
+    if layer_layout == "free":
+        return free, None, ""
+    uniform, cap = _uniform(times, slots, pp * vpp)
+    if uniform is not None and placement == "v":
+        uniform = balance_ranks(times, uniform, pp=pp, placement=placement, slots=slots, capacity=cap)
+    if uniform is None:
+        if layer_layout == "uniform":
+            raise LayoutError(f"layer_layout='uniform': {sum(slots)} decoder layers cannot be spread "
+                              f"{cap} per chunk over {pp * vpp} chunks")
+        return free, None, ""
+    slowdown = _max_run(times, uniform) / _max_run(times, free) - 1
+    if layer_layout == "uniform" or slowdown <= UNIFORM_TOLERANCE:
+        return uniform, cap, ""
+    return free, None, (f"equal counts ({cap} per chunk, {cap * pp * vpp - sum(slots)} empty layers) would make the "
+                        f"slowest chunk {slowdown:+.1%} slower")
 
 
 def _max_run(times: list[float], runs: list[int]) -> float:

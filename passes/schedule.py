@@ -78,7 +78,11 @@ def schedule_fits(kind: ScheduleKind, *, pp: int, vpp: int, num_microbatches: in
             return "interleaved needs pp >= 2 and vpp >= 2"
         return None if m % pp == 0 else f"interleaved needs micro-batches ({m}) divisible by pp ({pp})"
     if kind == "zero-bubble":
-        return None if vpp >= 2 else "zero-bubble (torch's Interleaved Zero Bubble) needs vpp >= 2"
+        if vpp < 2:
+            return "zero-bubble (torch's Interleaved Zero Bubble) needs vpp >= 2"
+        rounds = max(1, m // pp)  # torch's ScheduleInterleavedZeroBubble runs m in rounds of about pp
+        return None if m % rounds == 0 else (f"zero-bubble needs micro-batches ({m}) divisible by its rounds "
+                                             f"(max(1, m // pp) = {rounds})")
     if kind in ("zbv", "dualpipev"):
         if vpp != 2:
             return f"{kind} places two chunks per rank in a V (vpp=2)"

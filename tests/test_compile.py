@@ -69,3 +69,44 @@ def test_plan_round_trip_and_resimulate(tmp_path, pangu_fixed):
     assert loaded == pangu_fixed.plan
     again = resimulate(loaded).prediction
     assert again.step_time_s == pytest.approx(loaded.prediction.step_time_s, rel=1e-9)
+
+
+def test_estimate_drain_windows_and_exposed_reduce_scatter():
+    """The DP term of the layout estimate (docs/step-model.md §4): with the loop placement the j-th last chunk's
+    reduce-scatter has j·pp chunk backwards to hide in, with the V placement j; what runs past the last backward
+    is exposed, the reduce-scatters one after the other."""
+    from moeplan.search import drain_windows, exposed_reduce_scatter_s
+
+    assert drain_windows("interleaved", pp=4, vpp=3, chunk_backward_s=0.5) == [0.0, 2.0, 4.0]
+    assert drain_windows("zero-bubble", pp=4, vpp=2, chunk_backward_s=0.5) == [0.0, 2.0]
+    assert drain_windows("dualpipev", pp=4, vpp=2, chunk_backward_s=0.5) == [0.0, 0.5]
+    assert drain_windows("1f1b", pp=4, vpp=1, chunk_backward_s=0.5) == [0.0]
+    # windows 0, 2, 4 and 1 s each: the first two hide, the last starts at the end: 1 s exposed
+    assert exposed_reduce_scatter_s(1.0, [0.0, 2.0, 4.0]) == pytest.approx(1.0)
+    # windows 0 and 0.5, 1 s each: the earlier one ends 0.5 s after the end, the last then runs 1 s more
+    assert exposed_reduce_scatter_s(1.0, [0.0, 0.5]) == pytest.approx(1.5)
+    assert exposed_reduce_scatter_s(1.0, [0.0]) == pytest.approx(1.0)
+
+
+
+def test_estimate_rank_load_follows_the_partition_pass():
+    """rank_load splits as the partition pass does. Llama3-70B's pieces (no-FLOP embedding, 80 equal layers, a head
+    of 1.139 layers) on pp 2 × vpp 2: the pass keeps 20 layers per chunk (its slowest chunk is within 1% of the free
+    split's), which leaves the busiest rank 1.4% over the mean; the free min-max split alone gives 3.5%."""
+    from moeplan.passes.partition_stages import split_runs
+    from moeplan.search import rank_load
+
+    times = (0.0,) + (1.0,) * 80 + (1.139,)
+    slots = (0,) + (1,) * 80 + (0,)
+    runs, capacity, _ = split_runs(list(times), list(slots), pp=2, vpp=2, placement="loop")
+    assert capacity == 20
+    load = [0.0, 0.0]
+    start = 0
+    for stage, n in enumerate(runs):
+        load[stage % 2] += sum(times[start:start + n])
+        start += n
+    assert rank_load(times, slots, 2, 2, "loop") == pytest.approx(max(load) * 2 / sum(times))
+    free, _, _ = split_runs(list(times), list(slots), pp=2, vpp=2, placement="loop", layer_layout="free")
+    assert free != runs
+    assert rank_load(times, slots, 2, 2, "loop") == pytest.approx(1.0140, abs=1e-4)
+    assert rank_load(times, (0,) * len(times), 2, 2, "loop") == pytest.approx(1.0353, abs=1e-4)

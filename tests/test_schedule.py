@@ -8,7 +8,8 @@ from moeplan.errors import LayoutError, PlanError
 from moeplan.ir import ModelGraph
 from moeplan.layout import Layout
 from moeplan.passes.schedule import (SchedulePass, build_actions, in_flight_bound, interleaved_1f1b, max_in_flight,
-                                     one_f_one_b, pair_fb, placement_of, split_fb, stage_of, stage_rank)
+                                     one_f_one_b, pair_fb, placement_of, schedule_fits, split_fb, stage_of, stage_rank,
+                                     torch_compute_order)
 from moeplan.spec import load_spec
 from moeplan.state import PlanState, StagePlan, Strategy
 from moeplan.targets import load_target
@@ -195,3 +196,19 @@ def test_pass_builds_the_strategy_schedule():
     state = make_state(2, 2, 4)
     with pytest.raises(PlanError, match="stages"):
         SchedulePass().run(state.with_(stages=None))
+
+
+def test_zero_bubble_fits_exactly_when_torch_builds_it():
+    """schedule_fits accepts zero-bubble for just the (pp, m) torch's ScheduleInterleavedZeroBubble constructs: m
+    must be a multiple of its number of rounds, max(1, m // pp) (m = 30 on pp 4 crashed a search before)."""
+    with pytest.raises(LayoutError, match=r"zero-bubble needs micro-batches \(30\) divisible by its rounds"):
+        build_actions("zero-bubble", pp=4, vpp=2, num_microbatches=30)
+    for pp in (2, 3, 4):
+        for m in range(1, 3 * pp + 2):
+            rule = schedule_fits("zero-bubble", pp=pp, vpp=2, num_microbatches=m)
+            try:
+                torch_compute_order("zero-bubble", pp, 2, m)
+                built = True
+            except ValueError:
+                built = False
+            assert built == (rule is None), (pp, m, rule)

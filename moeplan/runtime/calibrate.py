@@ -70,7 +70,7 @@ import torch
 import yaml
 
 from moeplan.plan import Plan
-from moeplan.runtime.parallel import _ALL_GATHER, _REDUCE_SCATTER
+from moeplan.runtime.parallel import all_gather_flat, reduce_scatter_flat
 from moeplan.spec import ModelSpec
 from moeplan.targets import Efficiency, LaunchCost, Link, Target, load_target
 
@@ -269,9 +269,9 @@ def _comm_op(op: str, rank: int, buf: torch.Tensor, out: torch.Tensor) -> None:
     elif op == "all_reduce":
         dist.all_reduce(buf)
     elif op == "all_gather":  # the runtime's calls (moeplan.runtime.parallel)
-        _ALL_GATHER(torch.cat((out, out)), buf)
+        all_gather_flat(torch.cat((out, out)), buf)
     elif op == "reduce_scatter":
-        _REDUCE_SCATTER(out[:out.numel() // 2], buf)
+        reduce_scatter_flat(out[:out.numel() // 2], buf)
     else:
         raise ValueError(f"op={op!r}: must be one of {sorted(LOADED_OPS)}")
 

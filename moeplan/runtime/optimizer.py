@@ -29,6 +29,7 @@ from torch import nn
 
 from moeplan.plan import Plan
 from moeplan.runtime.metrics import CommTotals
+from moeplan.runtime.parallel import all_gather_flat, reduce_scatter_flat
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class FlatParams:
         flat = self._flat(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
         if self.world > 1 and self.padded:
             t0 = time.perf_counter()
-            dist.reduce_scatter_single(self.grad, flat, group=self.group)
+            reduce_scatter_flat(self.grad, flat, group=self.group)
             self.comm.add("dp", time.perf_counter() - t0, flat.numel() * flat.element_size())
         else:
             self.grad.copy_(flat)
@@ -115,7 +116,7 @@ class FlatParams:
         if self.world > 1 and self.padded:
             flat = torch.empty(self.padded, device=self.device)
             t0 = time.perf_counter()
-            dist.all_gather_single(flat, self.master, group=self.group)
+            all_gather_flat(flat, self.master, group=self.group)
             self.comm.add("dp", time.perf_counter() - t0, self.master.numel() * self.master.element_size())
         else:
             flat = self.master

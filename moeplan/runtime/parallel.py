@@ -40,8 +40,8 @@ import torch.nn.functional as F
 Group = dist.ProcessGroup | None
 CommClass = Literal["tp", "ep", "cp", "dp", "pp"]
 # torch 2.13 renamed the flat collectives (the old names warn); older torch (e.g. with torch_npu) has only the old.
-_ALL_GATHER = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
-_REDUCE_SCATTER = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else dist.reduce_scatter_tensor
+all_gather_flat = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
+reduce_scatter_flat = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else dist.reduce_scatter_tensor
 
 
 def group_size(group: Group) -> int:
@@ -55,7 +55,7 @@ def group_rank(group: Group) -> int:
 def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((group_size(group) * front.shape[0], *front.shape[1:]))
-    _ALL_GATHER(out, front, group=group)
+    all_gather_flat(out, front, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -64,7 +64,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torc
     world = group_size(group)
     assert front.shape[0] % world == 0, f"reduce-scatter of {front.shape[0]} rows over {world} ranks"
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
-    _REDUCE_SCATTER(out, front, op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_flat(out, front, op=dist.ReduceOp.SUM, group=group)
     return out.movedim(0, dim).contiguous()
 
 

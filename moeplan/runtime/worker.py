@@ -33,7 +33,7 @@ from moeplan.runtime.groups import ParallelGroups, RankCoords, make_groups
 from moeplan.runtime.launch import DIST_BACKEND, RunRequest, check_runnable
 from moeplan.runtime.metrics import (CommTotals, RankStep, SavedActivationMeter, StepRecord, rank_step_from_vector,
                                      rank_step_vector)
-from moeplan.runtime.parallel import CommLog
+from moeplan.runtime.parallel import CommLog, all_gather_flat
 from moeplan.runtime.optimizer import DistributedAdamW, OptimConfig, ReplicatedGrads, TiedGrads, param_entries
 
 #: process-group kind -> comm class of the collectives on it (ParallelGroups fields)
@@ -128,7 +128,7 @@ def run_one_step(plan: Plan, setup: RankSetup, tokens: torch.Tensor, step: int, 
     extra = torch.tensor([loss_sum / lay.num_microbatches / lay.dp if counts else 0.0, step_s], dtype=torch.float64)
     vec = torch.cat([rank_step_vector(mine), extra]).to(_comm_device(plan))
     gathered = torch.empty(dist.get_world_size() * vec.numel(), dtype=vec.dtype, device=vec.device)
-    dist.all_gather_single(gathered, vec)
+    all_gather_flat(gathered, vec)
     rows = gathered.cpu().view(dist.get_world_size(), -1)
     step_time = float(rows[:, -1].max())
     return StepRecord(step=step + 1, loss=float(rows[:, -2].sum()), step_time_s=step_time,
