@@ -182,7 +182,7 @@ class ModelCost:
     pair: float
     recompute_s: Mapping[str, float]
     act_bytes: Mapping[str, float]
-    edge: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # first-layer extra per action: _model_cost
+    pair_edge: float = 0.0  # under fb, the first layer's extra once per pair action: _model_cost
 
 
 def _model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Dispatcher, overlap: frozenset,
@@ -194,14 +194,14 @@ def _model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: D
     A stage runs its layers back to back, and across an ``fb`` pair the timeline overlaps one layer's collectives
     with the next layer's compute. So under ``fb`` a kind's pair is priced as its steady increment, the time two
     layers of it take on an idle rank less the time one takes, and the first layer's extra (one minus the
-    increment) is charged once per pair action (``edge``, of the most common kind). Forwards and backwards alone
-    are priced one layer at a time."""
+    increment) is charged once per pair action (``pair_edge``, of the most common kind). Forwards and backwards
+    alone are priced one layer at a time."""
     settings = beside_compute(target, overlap)
     f = i = w = pair = 0.0
     redo = dict.fromkeys(MODES, 0.0)
     act = dict.fromkeys(MODES, 0.0)
-    edge = (0.0, 0.0, 0.0, 0.0)
-    for kind, n in sorted(counts.items(), key=lambda x: x[1]):
+    edges: dict[LayerKind, float] = {}
+    for kind, n in counts.items():
         key, (lc, lr, la) = _priced(graph, kind, layout, target, dispatcher, cache)
         prog = lc.program
         # the prices depend only on the mechanisms the layer's collectives name (async_by) and on fb
@@ -211,15 +211,15 @@ def _model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: D
             if "fb" in overlap:
                 one = action_time_s([prog.fwd, prog.backward], settings)
                 two = action_time_s([concat_segments([prog.fwd] * 2), concat_segments([prog.backward] * 2)], settings)
-                cache[(key, used)] = ((lf, li, lw, two - one), (0.0, 0.0, 0.0, 2 * one - two))
+                cache[(key, used)] = (lf, li, lw, two - one, 2 * one - two)
             else:  # without fb a pair is its forward, then its backward
-                cache[(key, used)] = ((lf, li, lw, lf + li + lw), (0.0, 0.0, 0.0, 0.0))
-        (lf, li, lw, lp), edge = cache[(key, used)]
+                cache[(key, used)] = (lf, li, lw, lf + li + lw, 0.0)
+        lf, li, lw, lp, edges[kind] = cache[(key, used)]
         f, i, w, pair = f + n * lf, i + n * li, w + n * lw, pair + n * lp
         for m in MODES:
             redo[m] += n * lr[m]
             act[m] += n * la[m]
-    return ModelCost(f, i, w, pair, redo, act, edge)
+    return ModelCost(f, i, w, pair, redo, act, edges[max(counts, key=counts.__getitem__)])
 
 
 def _priced(graph: ModelGraph, kind: LayerKind, layout: Layout, target: Target, dispatcher: Dispatcher,
@@ -286,7 +286,7 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
       over the balanced ``1/pp`` (:func:`rank_load` of the slots' ``weights``, their forward + backward FLOPs,
       split as the partition pass splits, ``slots`` marking the decoder layers: how uneven the split comes out
       depends on the layers' granularity far more than on the layout), and each
-      action pays its first layer's extra once (:class:`ModelCost` ``edge``);
+      overlapped pair pays its first layer's extra once (:class:`ModelCost` ``pair_edge``);
     - **Schedule**: ``m`` micro-batches of work (the steady ones as overlapped pairs under ``fb``) plus the bubble
       (1F1B ``(pp−1)(F+B)``, interleaved ``/vpp``, the zero-bubble family ``(pp−1)(F+I−W)`` per chunk);
     - **DP and optimizer**: the DP collectives of the average stage (passes/simulate.py) after the last
@@ -306,10 +306,9 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
             fits = True
             break
     load = rank_load(weights, slots, pp, vpp, placement_of(strategy.schedule)) / pp
-    ef, ei, ew, ep = (vpp * x for x in cost.edge)  # a micro-batch is vpp actions on a rank
-    f, w = load * cost.fwd + ef, load * cost.bwd_weight + ew
-    i = load * (cost.bwd_input + cost.recompute_s[mode]) + ei
-    pair = load * (cost.pair + cost.recompute_s[mode]) + ep
+    f, w = load * cost.fwd, load * cost.bwd_weight
+    i = load * (cost.bwd_input + cost.recompute_s[mode])
+    pair = load * (cost.pair + cost.recompute_s[mode]) + vpp * cost.pair_edge  # a micro-batch: vpp pairs on a rank
     pairs = max(0, m - pp) if fb and strategy.schedule in FB_PAIRED else 0
     work = (m - pairs) * (f + i + w) + pairs * pair
     kind = strategy.schedule
