@@ -181,12 +181,27 @@ def torchrun_command(plan: Plan, request: RunRequest) -> str:
             f"--rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 -m moeplan.cli run {args}")
 
 
+# What a rank's collective raises when a peer process died: that rank is a casualty, not the cause.
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
+
+
+def _lost_peer(failure) -> bool:
+    """True when ``failure`` (a torch elastic ProcessFailure) only reports that another rank went away.
+
+    torch elastic orders failures by their timestamp, in whole seconds: a rank killed by a signal and the rank whose
+    receive then broke often tie, and the tie went to the lower rank, which named the casualty as the cause. The
+    casualty may itself end with SIGTERM (the agent stops the other ranks) after writing its report, so only the
+    report's text tells it apart.
+    """
+    return any(m in str(failure.message).lower() for m in _PEER_LOST)
+
+
 def _failure_line(error: Exception) -> str:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if not isinstance(error, ChildFailedError):
         return f"launch failed: {error}"
-    rank, failure = error.get_first_failure()
+    rank, failure = min(error.failures.items(), key=lambda kv: (_lost_peer(kv[1]), kv[1].timestamp, kv[0]))
     data = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
     if isinstance(data, dict):
         reason = str(data.get("message", "")).strip().splitlines()[-1:] or [""]

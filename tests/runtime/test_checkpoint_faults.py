@@ -126,3 +126,23 @@ def test_resume_from_another_layout_is_refused(setup, uninterrupted):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "step-00000006" in lines[0] and "dp=1 vs 2" in lines[0] and "resume needs the same layout" in lines[0]
+
+
+def test_the_killed_rank_is_named_not_the_rank_whose_receive_broke(tmp_path):
+    """torch elastic times failures in whole seconds; a tie must not name the peer that only lost its connection."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from moeplan.runtime.launch import _failure_line
+
+    report = tmp_path / "rank0.json"
+    report.write_text(json.dumps({"message": {"message": "RuntimeError: [pair.cc:537] Read error: Connection reset "
+                                                         "by peer.", "extraInfo": {"timestamp": "0"}}}))
+    broke = ProcessFailure(local_rank=0, pid=10, exitcode=-signal.SIGTERM, error_file=str(report))
+    killed = ProcessFailure(local_rank=1, pid=11, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none.json"))
+    line = _failure_line(ChildFailedError("worker", {0: broke, 1: killed}))
+    assert line == "rank 1 failed: killed by signal 9 (SIGKILL); the other ranks were stopped"
+    # a rank that raised an error of its own is still named first
+    report.write_text(json.dumps({"message": {"message": "RuntimeError: out of memory",
+                                              "extraInfo": {"timestamp": "0"}}}))
+    own = ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(report))
+    assert _failure_line(ChildFailedError("worker", {0: own, 1: killed})).startswith("rank 0 failed: RuntimeError: out")
