@@ -61,7 +61,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping, NamedTuple, Sequence
 
-from moeplan.errors import PlanError
+from moeplan.errors import MoeplanError, PlanError
 from moeplan.state import Segment, Tier
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
@@ -163,10 +163,10 @@ def concat_segments(parts: Sequence[Sequence[Segment]]) -> tuple[Segment, ...]:
                 i -= 1
                 tail.append(i)
         for j, s in enumerate(part):
-            after = tuple(i + base for i in s.after)
+            after = tuple(i + base for i in s.after) if base else s.after
             if j == 0 and tail:
                 after = tuple(sorted(set(after) | set(tail)))
-            out.append(replace(s, after=after))
+            out.append(s if after == s.after else replace(s, after=after))
     return tuple(out)
 
 
@@ -365,6 +365,16 @@ _LOCAL = {"B": ("F",), "I": ("F",), "W": ("I",)}
 _INPUT = {"F": (-1, ("F",), "RECV_F", "SEND_F"), "B": (1, ("B", "I"), "RECV_B", "SEND_B"),
           "I": (1, ("B", "I"), "RECV_B", "SEND_B")}
 _EPS = 1e-12
+
+
+class StepExceeded(MoeplanError):
+    """:func:`simulate` stopped early: a rank's compute already ends at ``at_s`` seconds, past ``stop_above_s``, so
+    the step (at least as long) cannot come in under it. Raised on purpose for a caller that asked for it, not a
+    fault."""
+
+    def __init__(self, at_s: float) -> None:
+        super().__init__(f"a rank's compute runs past {at_s:.6g} s")
+        self.at_s = at_s
 
 
 class _Blocked(Exception):
@@ -956,13 +966,15 @@ def _peak(live: list[tuple[float, float]]) -> float:
 
 
 def simulate(actions: Sequence[Sequence[str]], *, stages: Sequence[StageProgram],
-             settings: RunSettings = RunSettings(), detail: bool = False) -> Timeline:
+             settings: RunSettings = RunSettings(), detail: bool = False,
+             stop_above_s: float = float("inf")) -> Timeline:
     """Simulate one training step of a pipeline schedule (see the module docstring for the model).
 
     ``actions[r]``: PP rank r's actions in order (e.g. ``Schedule.actions``); ``stages[s]``: stage ``s``'s program
     for one micro-batch; ``settings``: the PP link and what runs beside compute; ``detail``: also record every
-    segment (``Timeline.segment_events``). Raises PlanError on a malformed or deadlocking schedule (never hangs:
-    each sweep must progress).
+    segment (``Timeline.segment_events``); ``stop_above_s``: raise :class:`StepExceeded` as soon as a rank's compute
+    runs past it (a search that only needs to know whether the step beats a time). Raises PlanError on a malformed
+    or deadlocking schedule (never hangs: each sweep must progress).
     """
     if settings.p2p_s < 0:
         raise PlanError(f"p2p_s={settings.p2p_s!r}: must be >= 0")
@@ -990,6 +1002,9 @@ def simulate(actions: Sequence[Sequence[str]], *, stages: Sequence[StageProgram]
                 progressed += 1
         if not progressed:
             raise _deadlock(ranks, ptr, blocked_on, owner)
+        clock = max(st.compute_free)
+        if clock > stop_above_s:
+            raise StepExceeded(clock)
     for r in range(len(ranks)):
         st.carry[r] = _schedule(st, r, st.carry[r], ctx, carry=False)
     return _timeline(st, ranks, recv_at)

@@ -44,7 +44,7 @@ from moeplan.compiler import parse_pipeline, run_pipeline
 from moeplan.cost_models.dispatch import hierarchical_valid
 from moeplan.cost_models.layer_program import ep_transfer, expert_group
 from moeplan.cost_models.memory import model_state_bytes
-from moeplan.cost_models.timeline import action_time_s, concat_segments
+from moeplan.cost_models.timeline import StepExceeded, action_time_s, concat_segments
 from moeplan.errors import InfeasibleError, LayoutError
 from moeplan.ir import LayerKind, ModelGraph, named_layers
 from moeplan.layout import Layout, check_layout
@@ -94,8 +94,9 @@ class Rejected:
 
 @dataclass(frozen=True)
 class Pruned:
-    """A candidate the full pipeline stopped before simulating: its plan's lower bound
-    (:func:`moeplan.bounds.plan_bound`, seconds) was not below the best step found when it was sent."""
+    """A candidate the full pipeline stopped early: before simulating, when its plan's lower bound
+    (:func:`moeplan.bounds.plan_bound`, seconds) was not below the best step found when it was sent, or during the
+    simulation, as soon as a rank's compute ran past that step (``bound_s``: that rank's clock)."""
 
     bound_s: float
 
@@ -364,19 +365,21 @@ def strategies(layout: Layout, *, graph: ModelGraph, target: Target, fixed: Fixe
     kinds = [k for k in kinds if schedule_fits(k, pp=layout.pp, vpp=layout.vpp,
                                                num_microbatches=layout.num_microbatches) is None]
     dispatcher = fixed.dispatcher or _cheapest_dispatcher(layout, graph, target, cache)
+    ep = expert_group(layout)[0] > 1
     out = []
     for kind in kinds:
         if fixed.overlap is not None:
             overlap = fixed.overlap
         else:
-            overlap = frozenset(m for m in caps.overlap if _applies(m, kind, layout, graph))
+            overlap = frozenset(m for m in caps.overlap if _applies(m, kind, layout, graph, ep))
         out.append(Strategy(schedule=kind, dispatcher=dispatcher, overlap=overlap,
                             recompute=fixed.recompute))  # type: ignore[arg-type]
     return out
 
 
-def _applies(mechanism: str, kind: str, layout: Layout, graph: ModelGraph) -> bool:
-    ep = expert_group(layout)[0] > 1
+def _applies(mechanism: str, kind: str, layout: Layout, graph: ModelGraph, ep: bool) -> bool:
+    """Whether overlap ``mechanism`` has anything to overlap under schedule ``kind`` (``ep``: the layout's expert
+    group spans more than one device)."""
     if mechanism == "shared-expert":
         return ep and graph.spec.num_shared_experts > 0
     if mechanism == "fb":
@@ -427,7 +430,10 @@ def _evaluate(args: tuple[Layout, Strategy, str, bool, float]) -> Evaluated | Re
                 bound = plan_bound(state)
                 if bound >= beat:
                     return Pruned(bound)
-                state, last = run_pipeline(state, passes[split:])
+                try:
+                    state, last = run_pipeline(state, (replace(passes[split], stop_above_s=beat),))
+                except StepExceeded as e:
+                    return Pruned(e.at_s)
                 timings += last
         except InfeasibleError as e:
             error = Rejected("memory: plan exceeds device memory under every recompute mode", str(e), e.needs_bytes)
@@ -662,7 +668,7 @@ class _Pool:
         pending: deque = deque()
         for t in tasks:
             pending.append(self._executor().submit(fn, t))
-            if len(pending) >= 2 * self.workers:
+            if len(pending) >= self.workers:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()

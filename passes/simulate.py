@@ -261,11 +261,13 @@ def optimizer_s(state: PlanState, rank: int) -> float:
 
 @dataclass(frozen=True)
 class SimulatePass:
-    """Simulate one PP group's step and fill ``prediction``."""
+    """Simulate one PP group's step and fill ``prediction``. ``stop_above_s``: raise
+    :class:`~moeplan.cost_models.timeline.StepExceeded` once the step is known to exceed it (the layout search)."""
 
     name: ClassVar[str] = "simulate"
     requires: ClassVar[tuple[str, ...]] = ("sharding", "stages", "memory", "schedule")
     provides: ClassVar[tuple[str, ...]] = ("prediction",)
+    stop_above_s: float = float("inf")
 
     def run(self, state: PlanState) -> PlanState:
         assert state.sharding and state.stages and state.memory and state.schedule
@@ -279,7 +281,8 @@ class SimulatePass:
                 lcs = [costs[kind_of(spec, n)] for n in names]
                 programs[state.stages.stage_of(r, c)] = stage_program(lcs, mode, sum(saved_bytes(x, mode) for x in lcs))
                 flops_per_mb[r] += sum(x.executed_flops + recompute_work(x, mode)[1] for x in lcs)
-        tl = simulate(state.schedule.actions, stages=programs, settings=run_settings(state))
+        tl = simulate(state.schedule.actions, stages=programs, settings=run_settings(state),
+                      stop_above_s=self.stop_above_s)
         overlap = "dp" in state.strategy.overlap
         dp = [dp_collectives(state, r) for r in range(lay.pp)]
         exposure = [dp_exposure(dp[r], tl=tl, rank=r, overlap=overlap) for r in range(lay.pp)]
