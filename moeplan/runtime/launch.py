@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import uuid
@@ -185,15 +186,15 @@ def torchrun_command(plan: Plan, request: RunRequest) -> str:
 _PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
 
 
-def _lost_peer(failure) -> bool:
-    """True when ``failure`` (a torch elastic ProcessFailure) only reports that another rank went away.
+def _casualty(failure) -> bool:
+    """True when ``failure`` (a torch elastic ProcessFailure) only followed another rank's: its report says a peer
+    went away, or it ended by the SIGTERM the agent sends every other rank once one has failed.
 
-    torch elastic orders failures by their timestamp, in whole seconds: a rank killed by a signal and the rank whose
-    receive then broke often tie, and the tie went to the lower rank, which named the casualty as the cause. The
-    casualty may itself end with SIGTERM (the agent stops the other ranks) after writing its report, so only the
-    report's text tells it apart.
+    torch elastic orders failures by their timestamp, in whole seconds: a rank killed by a signal and the ranks
+    stopped because of it often tie, and the tie went to the lower rank, which named a casualty as the cause. A
+    casualty may write its report and then be stopped, so both tests are needed.
     """
-    return any(m in str(failure.message).lower() for m in _PEER_LOST)
+    return failure.exitcode == -signal.SIGTERM or any(m in str(failure.message).lower() for m in _PEER_LOST)
 
 
 def _failure_line(error: Exception) -> str:
@@ -201,7 +202,7 @@ def _failure_line(error: Exception) -> str:
 
     if not isinstance(error, ChildFailedError):
         return f"launch failed: {error}"
-    rank, failure = min(error.failures.items(), key=lambda kv: (_lost_peer(kv[1]), kv[1].timestamp, kv[0]))
+    rank, failure = min(error.failures.items(), key=lambda kv: (_casualty(kv[1]), kv[1].timestamp, kv[0]))
     data = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
     if isinstance(data, dict):
         reason = str(data.get("message", "")).strip().splitlines()[-1:] or [""]

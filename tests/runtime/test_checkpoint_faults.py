@@ -146,3 +146,6 @@ def test_the_killed_rank_is_named_not_the_rank_whose_receive_broke(tmp_path):
                                               "extraInfo": {"timestamp": "0"}}}))
     own = ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(report))
     assert _failure_line(ChildFailedError("worker", {0: own, 1: killed})).startswith("rank 0 failed: RuntimeError: out")
+    # the agent's SIGTERM to the other ranks, with no report, is not the cause either
+    stopped = ProcessFailure(local_rank=0, pid=10, exitcode=-signal.SIGTERM, error_file=str(tmp_path / "none.json"))
+    assert _failure_line(ChildFailedError("worker", {0: stopped, 1: killed})).startswith("rank 1 failed: killed")
