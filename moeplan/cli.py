@@ -1,4 +1,4 @@
-"""The ``moeplan`` command line: compile, describe, simulate, schema.
+"""The ``moeplan`` command line: compile, explore, describe, simulate, schema, run.
 
 Errors in user input exit 2 and a plan that cannot fit exits 3, each with one line on stderr and no traceback
 (docs/architecture.md §8.7); output files are written atomically.
@@ -126,6 +126,60 @@ def compile_cmd(
         render_search(out, res.result, top)
     out.print(search_summary(res.result))
     out.print(f"compiled in {res.compile_s:.2f} s" + (f"; plan written to {output}" if output else ""))
+
+
+@app.command("explore")
+def explore_cmd(
+    space_path: str = typer.Argument(..., metavar="SPACE", help="SPACE YAML: base model, choices, constraints"),
+    target: str = typer.Option(..., "--target", help="target name (e.g. ascend-910b) or YAML"),
+    devices: int = typer.Option(..., "--devices", help="number of devices"),
+    verify: int = typer.Option(50, "--verify", help="compile the best K with the full pipeline (0: none)"),
+    top: int = typer.Option(20, "--top", help="rows of the table"),
+    out_dir: Optional[str] = typer.Option(None, "--out", help="folder for results.csv and pareto.png "
+                                                              "(default: explore-<space name>)"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="worker processes (default: CPU count)"),
+    as_json: bool = typer.Option(False, "--json", help="print a JSON summary instead of the table"),
+) -> None:
+    """Search model architectures: screen every one of SPACE, verify the best with the full pipeline."""
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    from moeplan.explore import explore, load_space, pareto_png, to_csv
+    from moeplan.files import write_atomic
+    from moeplan.render_explore import explore_summary, render_explore
+    from moeplan.targets import load_target
+
+    for name, v in (("devices", devices), ("top", top), ("workers", workers)):
+        _positive(name, v)
+    if verify < 0:
+        raise LayoutError(f"verify={verify}: must be >= 0")
+    space = load_space(space_path)
+    tgt = load_target(target)
+    folder = Path(out_dir or f"explore-{space.name}")
+    if folder.exists() and not folder.is_dir():
+        raise LayoutError(f"out={str(folder)!r}: exists and is not a folder")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("ETA"), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True, disable=as_json) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task("screening" if phase == "screen" else "verifying", total=total)
+            bar.update(tasks[phase], completed=done)
+
+        result = explore(space, target=tgt, num_devices=devices, verify=verify, workers=workers, progress=progress)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(folder / "results.csv", to_csv(result))
+    write_atomic(folder / "pareto.png", pareto_png(result))
+    if as_json:
+        out.print_json(json.dumps(explore_summary(result, top) | {"csv": str(folder / "results.csv"),
+                                                                   "png": str(folder / "pareto.png")}))
+        return
+    render_explore(out, result, top)
+    out.print(f"wrote {folder / 'results.csv'} and {folder / 'pareto.png'}")
 
 
 @app.command("describe")

@@ -7,8 +7,6 @@ Saving then loading gives an equal plan.
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -16,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from moeplan.cost_models.timeline import compute_parts, parse_action
+from moeplan.files import write_atomic
 from moeplan.errors import PlanError
 from moeplan.ir import kind_of, named_layers
 from moeplan.names import Dispatcher, Mechanism, ScheduleKind
@@ -196,19 +195,7 @@ def plan_json_schema() -> dict:
 
 def save_plan(plan: Plan, path: str | Path) -> None:
     """Write ``plan`` as YAML atomically: a temp file in the same folder, then rename."""
-    path = Path(path)
-    text = yaml.dump(plan.model_dump(mode="json"), Dumper=_DUMPER, sort_keys=False, width=120)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or Path("."))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a plan is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, yaml.dump(plan.model_dump(mode="json"), Dumper=_DUMPER, sort_keys=False, width=120))
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -18,8 +18,10 @@
 5. **Evaluate** the ``candidates`` best estimates (those whose memory estimate fits first) with the full pipeline
    in parallel processes and rank them by simulated step time, holding only the ``keep`` fastest whole (memory does
    not grow with the number evaluated). An option whose bound is not below the ``keep``-th best step found so far
-   is pruned: skipped, or stopped before the simulation once ``plan-memory`` has fixed its stages and recompute
-   (:func:`moeplan.bounds.plan_bound`, a tighter bound). A candidate the memory pass finds infeasible is retried
+   is pruned: skipped, stopped before the simulation once ``plan-memory`` has fixed its stages and recompute
+   (:func:`moeplan.bounds.plan_bound`, a tighter bound), or stopped during it as soon as a rank's compute runs past
+   that step (the step can only be longer). Each worker has one candidate in flight, so the next one sent sees the
+   best step found so far. A candidate the memory pass finds infeasible is retried
    without ``fb`` when the overlap set was chosen automatically (``fb`` keeps one more micro-batch in flight), else
    counted (a typed :class:`Rejected`) and dropped.
 6. **Exact** (``candidates=None``): after the best estimates, every other option in order of its bound until the
@@ -183,10 +185,10 @@ class ModelCost:
     pair: float
     recompute_s: Mapping[str, float]
     act_bytes: Mapping[str, float]
-    pair_edge: float = 0.0  # under fb, the first layer's extra once per pair action: _model_cost
+    pair_edge: float = 0.0  # under fb, the first layer's extra once per pair action: model_cost
 
 
-def _model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Dispatcher, overlap: frozenset,
+def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Dispatcher, overlap: frozenset,
                 counts: Counter, cache: dict) -> ModelCost:
     """:class:`ModelCost` of the slots ``counts``. ``cache`` keeps each kind's layer cost and timeline prices per
     what they depend on: (tp, cp, micro-batch) for a layer without routed experts, also (ep, etp, dispatcher) for
@@ -226,7 +228,7 @@ def _model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: D
 def _priced(graph: ModelGraph, kind: LayerKind, layout: Layout, target: Target, dispatcher: Dispatcher,
             cache: dict) -> tuple[tuple, tuple[LayerCost, dict[str, float], dict[str, float]]]:
     """(cache key, (layer cost, recompute seconds per mode, activation bytes per mode)) of one layer kind, priced
-    once per what it depends on (:func:`_model_cost`)."""
+    once per what it depends on (:func:`model_cost`)."""
     lg = graph.layer(kind)
     key = (kind, layout.tp, layout.cp, layout.micro_batch) + (
         (layout.ep, layout.etp, dispatcher) if lg.expert_param_count else ())
@@ -260,6 +262,7 @@ class Estimate:
     step_s: float
     recompute: str
     fits: bool
+    memory_bytes: float = 0.0  # per device, of the average stage under ``recompute``
 
 
 @lru_cache(maxsize=256)
@@ -278,7 +281,8 @@ def rank_load(times: tuple[float, ...], slots: tuple[int, ...], pp: int, vpp: in
 
 
 def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weights: tuple[float, ...],
-                  slots: tuple[int, ...], params: tuple[float, float], target: Target) -> Estimate:
+                  slots: tuple[int, ...], params: tuple[float, float], target: Target,
+                  load: float | None = None) -> Estimate:
     """Closed-form step estimate (docs/step-model.md §4), for ranking layouts before the full pipeline:
 
     - **Recompute**: the cheapest mode (or the fixed one) whose memory fits — model states of the average stage
@@ -294,6 +298,9 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
       backward; under ``dp`` the reduce-scatters of the ``vpp`` chunks, each started at its chunk's last backward
       (:func:`drain_windows`), as far as they run past the rank's last backward
       (:func:`exposed_reduce_scatter_s`); then the Adam update of the locally owned parameters.
+
+    ``load``: the busiest rank's share over the balanced one instead of :func:`rank_load`'s; the step never
+    decreases with it, so ``load=1`` gives a lower bound of the estimate (the architecture screen prunes with it).
     """
     pp, vpp, m = layout.pp, layout.vpp, layout.num_microbatches
     static = static_bytes(layout, params)
@@ -303,10 +310,13 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
     modes = MODES if strategy.recompute == "auto" else (strategy.recompute,)
     fits = False
     for mode in modes:
-        if static + held * cost.act_bytes[mode] / chunks <= target.usable_memory_bytes:
+        memory = static + held * cost.act_bytes[mode] / chunks
+        if memory <= target.usable_memory_bytes:
             fits = True
             break
-    load = rank_load(weights, slots, pp, vpp, placement_of(strategy.schedule)) / pp
+    if load is None:
+        load = rank_load(weights, slots, pp, vpp, placement_of(strategy.schedule))
+    load /= pp
     f, w = load * cost.fwd, load * cost.bwd_weight
     i = load * (cost.bwd_input + cost.recompute_s[mode])
     pair = load * (cost.pair + cost.recompute_s[mode]) + vpp * cost.pair_edge  # a micro-batch: vpp pairs on a rank
@@ -332,7 +342,7 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
                 tail += rs + ag
     if rs_chunk:
         tail += exposed_reduce_scatter_s(rs_chunk, drain_windows(kind, pp=pp, vpp=vpp, chunk_backward_s=(i + w) / vpp))
-    return Estimate(step_s=work + bubble + tail, recompute=mode, fits=fits)
+    return Estimate(step_s=work + bubble + tail, recompute=mode, fits=fits, memory_bytes=memory)
 
 
 def drain_windows(kind: ScheduleKind, *, pp: int, vpp: int, chunk_backward_s: float) -> list[float]:
@@ -456,20 +466,35 @@ def _check_fixed(fixed: Fixed, target: Target) -> None:
                               f"{', '.join(allowed) or 'none'}")
 
 
-def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed, pipeline: str,
-           candidates: int | None = 4, workers: int | None = None, keep: int = 1) -> SearchResult:
-    """Find the fastest layouts; see the module docstring. ``candidates``: how many of the best estimates go through
-    the full pipeline; None: every option whose lower bound is below the ``keep``-th best step found (exact).
-    ``keep``: how many of the evaluated ones the result holds whole (the rest are counted, not kept). Raises LayoutError if no layout is valid, and InfeasibleError
-    (with the smallest per-device memory seen) if every valid layout runs out of memory."""
-    _check_fixed(fixed, target)
+_NO_MEMORY = "memory: model states exceed device memory"
+
+
+@dataclass
+class Options:
+    """What the search prices: every (layout, strategy, stage params) that passed the checks and whose model
+    states fit (``options``), the layouts enumerated, the count of the others per reason, the first check error
+    and the least model-state bytes of a layout that did not fit (``inf`` when none failed on memory)."""
+
+    options: list[tuple[Layout, Strategy, tuple[float, float]]]
+    layouts: list[Layout]
+    rejected: Counter
+    first_error: LayoutError | None
+    min_static: float
+
+
+def slot_weights(graph: ModelGraph, slots: list[LayerKind]) -> tuple[float, ...]:
+    """Forward + backward FLOPs of each slot: what :func:`rank_load` splits."""
+    return tuple(graph.layer(k).fwd_flops + graph.layer(k).bwd_flops for k in slots)
+
+
+def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed) -> Options:
+    """Steps 1–3 of the module docstring: enumerate the layouts, check them, drop those whose model states do not
+    fit, and pair each with its strategies."""
     dpn = target.devices_per_node
     rejected: Counter = Counter()
     cache: dict = {}
     params_of: dict[tuple[int, int, int], tuple[float, float]] = {}
-    slots = [k for _, k in named_layers(graph.spec)]
-    counts = Counter(slots)
-    weights = tuple(graph.layer(k).fwd_flops + graph.layer(k).bwd_flops for k in slots)
+    counts = Counter(k for _, k in named_layers(graph.spec))
     first_error: LayoutError | None = None
     min_static = float("inf")
     layouts = enumerate_layouts(graph=graph, num_devices=num_devices, devices_per_node=dpn, fixed=fixed)
@@ -488,17 +513,48 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
         static = static_bytes(lay, params)
         if static > target.usable_memory_bytes:
             min_static = min(min_static, static)
-            rejected["memory: model states exceed device memory"] += 1
+            rejected[_NO_MEMORY] += 1
             continue
         found = strategies(lay, graph=graph, target=target, fixed=fixed, cache=cache)
         if not found:
             rejected["schedule: no schedule the target runs fits pp, vpp and the micro-batches"] += 1
         options += [(lay, st, params) for st in found]
-    if not options and first_error is not None and not rejected.get("memory: model states exceed device memory"):
-        raise first_error
-    if not options and fixed.schedule is not None and not rejected.get("memory: model states exceed device memory"):
+    return Options(options, layouts, rejected, first_error, min_static)
+
+
+def rank_by_estimate(*, graph: ModelGraph, target: Target, options: list[tuple[Layout, Strategy, tuple[float, float]]],
+                     workers: int | None = None) -> list[tuple[tuple[bool, float], float, Layout, Strategy]]:
+    """Step 4 alone: every option's (sort key, lower bound, layout, strategy), best estimate first (those whose
+    memory estimate fits before those that do not)."""
+    slots = [k for _, k in named_layers(graph.spec)]
+    _SHARED["graph"], _SHARED["target"] = _lean(graph), target
+    try:
+        tasks = _shape_tasks(options, slots, slot_weights(graph, slots))
+        with _Pool(workers) as pool:
+            scored = [x for part in pool.map(_estimate_shape, tasks, chunksize=max(1, len(tasks) // 16))
+                      for x in part]
+    finally:
+        _SHARED.clear()
+    scored.sort(key=lambda x: x[0])
+    return scored
+
+
+def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed, pipeline: str,
+           candidates: int | None = 4, workers: int | None = None, keep: int = 1) -> SearchResult:
+    """Find the fastest layouts; see the module docstring. ``candidates``: how many of the best estimates go through
+    the full pipeline; None: every option whose lower bound is below the ``keep``-th best step found (exact).
+    ``keep``: how many of the evaluated ones the result holds whole (the rest are counted, not kept). Raises LayoutError if no layout is valid, and InfeasibleError
+    (with the smallest per-device memory seen) if every valid layout runs out of memory."""
+    _check_fixed(fixed, target)
+    built = build_options(graph=graph, target=target, num_devices=num_devices, fixed=fixed)
+    options, rejected, layouts = built.options, built.rejected, built.layouts
+    if not options and built.first_error is not None and not rejected.get(_NO_MEMORY):
+        raise built.first_error
+    if not options and fixed.schedule is not None and not rejected.get(_NO_MEMORY):
         raise LayoutError(f"schedule={fixed.schedule!r}: fits none of the {len(layouts)} layouts (pp, vpp and "
                           f"micro-batches: passes/schedule.py)")
+    slots = [k for _, k in named_layers(graph.spec)]
+    weights = slot_weights(graph, slots)
     _SHARED["graph"], _SHARED["target"] = _lean(graph), target  # what forked workers read
     try:
         out = _estimate_and_evaluate(options, slots, weights, target, pipeline, candidates, workers, keep,
@@ -508,7 +564,7 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
     rejected.update(r.reason for r in out.refused)
     ranked = out.ranked()
     if not ranked:
-        _raise_infeasible(target, min_static, layouts, out.refused)
+        _raise_infeasible(target, built.min_static, layouts, out.refused)
     return SearchResult(ranked=tuple(ranked), rejected=rejected, num_enumerated=len(layouts),
                         num_evaluated=out.sent, num_options=len(options), num_pruned=out.pruned,
                         bound_s=out.bound_s)
@@ -522,12 +578,7 @@ def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, fl
     pipeline, then (``candidates=None``) every option whose bound is below the best step found, in bound order. The
     ``keep`` fastest evaluated are held whole, the others dropped as they arrive (memory does not grow with the
     number evaluated)."""
-    groups: dict[tuple, list[tuple[Layout, Strategy, tuple[float, float]]]] = {}
-    for opt in options:
-        groups.setdefault(_shape_key(opt[0], opt[1]), []).append(opt)
-    _SHARED["counts"], _SHARED["weights"], _SHARED["slots"] = Counter(slots), weights, slots
-    _SHARED["slot_flags"] = tuple(int(k in SLOT_KINDS) for k in slots)
-    tasks = list(groups.values())
+    tasks = _shape_tasks(options, slots, weights)
     out = _Outcome(keep)
     with _Pool(workers) as pool:
         scored = [x for part in pool.map(_estimate_shape, tasks, chunksize=max(1, len(tasks) // 16)) for x in part]
@@ -602,6 +653,18 @@ def _lean(graph: ModelGraph) -> ModelGraph:
     return replace(graph, layers={k: replace(v, gm=None) for k, v in graph.layers.items()})
 
 
+def _shape_tasks(options: list[tuple[Layout, Strategy, tuple[float, float]]], slots: list[LayerKind],
+                 weights: tuple[float, ...]) -> list[list[tuple[Layout, Strategy, tuple[float, float]]]]:
+    """The options grouped by layer-cost shape (one :func:`_estimate_shape` task each); sets what the workers read
+    besides the graph and the target."""
+    groups: dict[tuple, list[tuple[Layout, Strategy, tuple[float, float]]]] = {}
+    for opt in options:
+        groups.setdefault(_shape_key(opt[0], opt[1]), []).append(opt)
+    _SHARED["counts"], _SHARED["weights"], _SHARED["slots"] = Counter(slots), weights, slots
+    _SHARED["slot_flags"] = tuple(int(k in SLOT_KINDS) for k in slots)
+    return list(groups.values())
+
+
 def _shape_key(layout: Layout, strategy: Strategy) -> tuple:
     """What the layer costs depend on: (tp, cp, ep, etp, micro-batch, dispatcher)."""
     return (layout.tp, layout.cp, layout.ep, layout.etp, layout.micro_batch, strategy.dispatcher)
@@ -621,7 +684,7 @@ def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
     for lay, st, params in options:
         cost = costs.get(st.overlap)
         if cost is None:
-            cost = costs[st.overlap] = _model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache)
+            cost = costs[st.overlap] = model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache)
         est = estimate_step(lay, st, cost, weights=_SHARED["weights"], slots=_SHARED["slot_flags"], params=params,
                             target=target)
         skey = (st.overlap, st.schedule in FB_PAIRED, st.schedule in SPLIT_BACKWARD)

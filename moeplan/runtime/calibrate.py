@@ -69,6 +69,7 @@ from typing import Callable
 import torch
 import yaml
 
+from moeplan.files import write_atomic
 from moeplan.plan import Plan
 from moeplan.runtime.parallel import all_gather_flat, reduce_scatter_flat
 from moeplan.spec import ModelSpec
@@ -412,12 +413,5 @@ def write_target(target: Target, cal: Calibration, path: str | Path, *, fit: Lau
                      f"without launch costs, {fit.predicted_step_s_at_1 * 1e3:.1f} ms with the measured ones)")
     data = target.model_dump(mode="json", exclude={"variant"})
     text = "\n".join(lines) + "\n" + yaml.safe_dump(data, sort_keys=False)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, text)
     load_target(str(path))  # the compiler must be able to read it back

@@ -1,0 +1,545 @@
+"""Architecture search (``moeplan explore``, docs/explore.md): which model of a given size trains fastest here.
+
+A SPACE file names a base model, the values each architecture field may take and the constraints an architecture
+must meet. Every combination is built and checked as a :class:`~moeplan.spec.ModelSpec`, counted
+(:func:`~moeplan.flops.count_params`) and kept when it meets the constraints. Then:
+
+1. **Shortlist.** The layout search's estimate (:func:`~moeplan.search.rank_by_estimate`, every layout) runs on
+   three representatives: the base model and the smallest and largest architectures by total parameters. The best
+   ``screen_layouts`` (layout, strategy) options of each, together, are the shortlist.
+2. **Screen.** Each architecture gets the best estimate over the shortlist options valid for it
+   (:func:`~moeplan.search.estimate_step`; a layer kind is traced once per set of the fields it depends on and its
+   prices are reused by every architecture that differs only in layer counts). What an architecture gets here is
+   the screen's figure; a layout outside the shortlist is never considered for it.
+3. **Verify.** The ``verify`` best by screened tokens/s are compiled with the full pipeline and the default layout
+   search (:func:`~moeplan.compile.compile_model`), and the gap between the two figures is reported.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Callable, Iterator, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from moeplan.errors import LayoutError, MoeplanError, SpecError
+from moeplan.flops import count_params, flops_per_token
+from moeplan.ir import LayerKind, ModelGraph, named_layers
+from moeplan.layout import Layout
+from moeplan.spec import ModelSpec, load_spec
+from moeplan.state import Strategy
+from moeplan.targets import Target
+
+#: fields a SPACE may vary (the issue's list: layers, hidden, heads, MLA ranks or GQA groups, experts, top-k,
+#: expert FFN, shared experts, dense leading layers, MTP depth, vocab)
+CHOICE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "q_lora_rank", "kv_lora_rank",
+                 "num_experts", "top_k", "moe_ffn_size", "num_shared_experts", "num_dense_layers", "num_mtp_layers",
+                 "vocab_size")
+#: fields that only count layers: architectures differing in these alone share every traced layer and its prices
+_COUNT_FIELDS = frozenset({"name", "num_layers", "num_dense_layers", "num_mtp_layers"})
+#: fields the dense, embedding and head pieces do not depend on
+_EXPERT_FIELDS = frozenset({"num_experts", "top_k", "moe_ffn_size", "num_shared_experts", "shared_ffn_size",
+                            "router", "routing", "num_expert_groups", "topk_groups", "router_scale",
+                            "norm_topk_prob", "capacity_factor"})
+_EXPERT_FREE = (LayerKind.EMBEDDING, LayerKind.DENSE, LayerKind.HEAD, LayerKind.EMPTY)
+
+
+class Choices(BaseModel):
+    """The values each varied field takes (positive integers, no repeats); a field left out keeps the base's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_layers: list[int] | None = None
+    hidden_size: list[int] | None = None
+    num_heads: list[int] | None = None
+    num_kv_heads: list[int] | None = None
+    q_lora_rank: list[int] | None = None
+    kv_lora_rank: list[int] | None = None
+    num_experts: list[int] | None = None
+    top_k: list[int] | None = None
+    moe_ffn_size: list[int] | None = None
+    num_shared_experts: list[int] | None = None
+    num_dense_layers: list[int] | None = None
+    num_mtp_layers: list[int] | None = None
+    vocab_size: list[int] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ranges(cls, data: object) -> object:
+        """``{min: a, max: b, step: s}`` (inclusive, step default 1) stands for ``[a, a+s, ..., <= b]``."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, v in data.items():
+            if isinstance(v, dict):
+                if set(v) - {"min", "max", "step"} or not {"min", "max"} <= set(v) or not all(
+                        isinstance(x, int) and not isinstance(x, bool) for x in v.values()):
+                    raise ValueError(f"{name}: a range is {{min: int, max: int, step: int}} (step optional)")
+                step = v.get("step", 1)
+                if step <= 0 or v["max"] < v["min"]:
+                    raise ValueError(f"{name}: a range needs min <= max and step > 0")
+                out[name] = list(range(v["min"], v["max"] + 1, step))
+        return out
+
+    @model_validator(mode="after")
+    def _check(self) -> "Choices":
+        for name in CHOICE_FIELDS:
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if not values:
+                raise ValueError(f"{name}: give at least one value")
+            zero_ok = name in ("num_shared_experts", "num_dense_layers", "num_mtp_layers", "q_lora_rank")
+            bad = next((v for v in values if v < 0 or (v == 0 and not zero_ok)), None)
+            if bad is not None:
+                raise ValueError(f"{name}: {bad} must be {'>= 0' if zero_ok else '> 0'}")
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name}: values must not repeat")
+        return self
+
+    def varied(self) -> dict[str, list[int]]:
+        return {n: list(getattr(self, n)) for n in CHOICE_FIELDS if getattr(self, n) is not None}
+
+
+class Constraints(BaseModel):
+    """What an architecture must meet: total and activated parameters in billions (``[min, max]``, MTP modules
+    excluded, as published counts are) and alignment rules (``multiple_of: {hidden_size: 256}``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    total_params_b: tuple[float, float] | None = None
+    activated_params_b: tuple[float, float] | None = None
+    multiple_of: dict[str, int] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Constraints":
+        for name in ("total_params_b", "activated_params_b"):
+            r = getattr(self, name)
+            if r is not None and not 0 <= r[0] <= r[1]:
+                raise ValueError(f"{name}: [{r[0]}, {r[1]}] must be [min, max] with 0 <= min <= max")
+        for k, v in self.multiple_of.items():
+            if k not in ModelSpec.model_fields or ModelSpec.model_fields[k].annotation is not int:
+                raise ValueError(f"multiple_of: {k!r} is not an integer model field")
+            if v <= 0:
+                raise ValueError(f"multiple_of.{k}: {v} must be > 0")
+        return self
+
+
+class Space(BaseModel):
+    """A SPACE file (docs/explore.md): ``name``, ``base`` (a registry name or model file), ``choices``,
+    ``constraints``, ``seq_len`` and ``global_batch`` (default: the base's) and ``screen_layouts`` (options kept per
+    representative for the screen)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    base: str = Field(min_length=1)
+    choices: Choices
+    constraints: Constraints = Constraints()
+    seq_len: int | None = Field(default=None, gt=0)
+    global_batch: int | None = Field(default=None, gt=0)
+    screen_layouts: int = Field(default=100, gt=0)
+
+
+def load_space(path: str | Path) -> Space:
+    """Read and validate a SPACE YAML (``yaml.safe_load``). Raises SpecError with one line naming the field, the
+    value and the rule (a missing file, bad YAML, an unknown field, a bad value, a base model that does not load)."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise SpecError(f"space={str(path)!r}: cannot read ({e.strerror or e})") from None
+    except yaml.YAMLError as e:
+        raise SpecError(f"space={str(path)!r}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"space={str(path)!r}: must be a mapping with name, base and choices")
+    try:
+        space = Space.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        value = first.get("input")
+        msg = re.sub(r"^Value error, ", "", first["msg"])
+        raise SpecError(f"space.{loc}={value!r}: {msg}".replace("\n", " ")) from None
+    base = load_spec(space.base)  # SpecError names the base
+    for name in space.choices.varied():
+        if name in ("num_kv_heads",) and base.attention != "gqa" or \
+                name in ("q_lora_rank", "kv_lora_rank") and base.attention != "mla":
+            raise SpecError(f"space.choices.{name}: the base {space.base!r} has {base.attention} attention")
+    return space
+
+
+# ---- architectures -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Architecture:
+    """One point of the space: its spec, the varied values and its parameter counts (elements, MTP excluded)."""
+
+    spec: ModelSpec
+    values: tuple[tuple[str, int], ...]
+    total_params: int
+    activated_params: int
+
+
+@dataclass(frozen=True)
+class Architectures:
+    """The architectures that meet the constraints and, per reason, how many combinations did not."""
+
+    kept: tuple[Architecture, ...]
+    rejected: Counter
+    combinations: int
+
+
+def _reason(err: Exception) -> str:
+    return re.sub(r"\d+(\.\d+)?", "N", str(err).split(":", 1)[-1]).strip()
+
+
+def architectures(space: Space) -> Architectures:
+    """Every combination of the choices, built on the base, checked and counted; kept when it meets the constraints.
+
+    The shared-expert width follows the expert width (``shared_ffn_size = num_shared_experts · moe_ffn_size``) when
+    either is varied and the base has shared experts."""
+    base = load_spec(space.base).with_shape(seq_len=space.seq_len, global_batch=space.global_batch)
+    data = base.model_dump()
+    varied = space.choices.varied()
+    names = list(varied)
+    cons = space.constraints
+    kept: list[Architecture] = []
+    rejected: Counter = Counter()
+    total = 0
+    for combo in itertools.product(*(varied[n] for n in names)):
+        total += 1
+        values = dict(zip(names, combo))
+        bad = next((k for k, m in cons.multiple_of.items() if values.get(k, data[k]) % m), None)
+        if bad is not None:
+            rejected[f"{bad} not a multiple of {cons.multiple_of[bad]}"] += 1
+            continue
+        upd = {**data, **values}
+        if ("num_shared_experts" in values or "moe_ffn_size" in values) and base.num_shared_experts:
+            upd["shared_ffn_size"] = upd["num_shared_experts"] * upd["moe_ffn_size"]
+        upd["name"] = space.name + "-" + "-".join(f"{SHORT_NAMES[k]}{v}" for k, v in values.items())
+        try:
+            spec = ModelSpec.model_validate(upd)
+        except (SpecError, ValidationError) as e:
+            rejected[_reason(e if isinstance(e, SpecError) else SpecError(e.errors()[0]["msg"]))] += 1
+            continue
+        pc = count_params(spec)
+        for rng, n, what in ((cons.total_params_b, pc.total, "total"), (cons.activated_params_b, pc.activated,
+                                                                         "activated")):
+            if rng is not None and not rng[0] <= n / 1e9 <= rng[1]:
+                rejected[f"{what} parameters outside [{rng[0]:g}, {rng[1]:g}] B"] += 1
+                break
+        else:
+            kept.append(Architecture(spec, tuple(values.items()), pc.total, pc.activated))
+    return Architectures(tuple(kept), rejected, total)
+
+
+SHORT_NAMES = {"num_layers": "L", "hidden_size": "h", "num_heads": "a", "num_kv_heads": "g", "q_lora_rank": "q",
+          "kv_lora_rank": "kv", "num_experts": "E", "top_k": "k", "moe_ffn_size": "f", "num_shared_experts": "s",
+          "num_dense_layers": "d", "num_mtp_layers": "mtp", "vocab_size": "V"}
+
+
+# ---- screening -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Screened:
+    """The screen's figure for one architecture (``index`` into :attr:`Architectures.kept`): ``status`` "ok" with
+    the best shortlist option's layout, strategy and estimate, or "no-layout" with the reason and no figures."""
+
+    index: int
+    status: Literal["ok", "no-layout"]
+    reason: str = ""
+    layout: Layout | None = None
+    strategy: Strategy | None = None
+    step_s: float = float("inf")
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    memory_bytes: float = 0.0
+    fits: bool = False
+
+
+@dataclass(frozen=True)
+class Verified:
+    """The full pipeline's figures for a screened architecture: ``status`` "ok" (the default compile's plan) or
+    "failed" (its one-line error)."""
+
+    index: int
+    status: Literal["ok", "failed"]
+    reason: str = ""
+    layout: Layout | None = None
+    strategy: Strategy | None = None
+    step_s: float = float("inf")
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    peak_memory_bytes: float = 0.0
+    compile_s: float = 0.0
+
+
+@dataclass
+class ExploreResult:
+    """Everything ``moeplan explore`` reports: the architectures, the shortlist, one :class:`Screened` per kept
+    architecture, the verified ones (best screened first) and the seconds each phase took."""
+
+    space: Space
+    target: Target
+    num_devices: int
+    archs: Architectures
+    screened: list[Screened]
+    shortlist: tuple[tuple[Layout, Strategy], ...]
+    verified: list[Verified] = field(default_factory=list)
+    screen_s: float = 0.0
+    verify_s: float = 0.0
+
+    def ranked(self) -> list[Screened]:
+        """The screened architectures with a figure, highest tokens/s first (those whose memory estimate fits
+        before those that do not)."""
+        return sorted((s for s in self.screened if s.status == "ok"), key=lambda s: (not s.fits, -s.tokens_per_s))
+
+
+_GRAPHS: dict = {}
+"""Per worker process: traced layers by (kind, the fields they depend on), and the search's pricing caches by
+signature (every field but the layer counts)."""
+
+
+def _signature(spec: ModelSpec) -> tuple:
+    return tuple(sorted((k, v) for k, v in spec.model_dump().items() if k not in _COUNT_FIELDS))
+
+
+def _graph(spec: ModelSpec) -> ModelGraph:
+    """The traced model of ``spec`` from per-kind traces shared across architectures (fx modules dropped)."""
+    from moeplan.trace import layer_sequence, trace_layer
+
+    sequence = layer_sequence(spec)
+    sig = _signature(spec)
+    layers = {}
+    for kind in [*dict.fromkeys(sequence), LayerKind.EMPTY]:
+        key = (kind, tuple(kv for kv in sig if kv[0] not in _EXPERT_FIELDS) if kind in _EXPERT_FREE else sig)
+        if key not in _GRAPHS:
+            _GRAPHS[key] = replace(trace_layer(spec, kind, seq_len=spec.seq_len), gm=None)
+        layers[kind] = _GRAPHS[key]
+    return ModelGraph(spec=spec, seq_len=spec.seq_len, layers=MappingProxyType(layers), layer_sequence=sequence)
+
+
+def _screen_group(task: tuple[list[tuple[int, ModelSpec]], list[tuple[Layout, Strategy]], Target, int]
+                  ) -> list[Screened]:
+    """Screen architectures of one signature (module docstring, step 2)."""
+    from moeplan.passes.partition_stages import SLOT_KINDS
+    from moeplan.search import check, estimate_step, model_cost, slot_weights, stage_params, static_bytes
+
+    group, shortlist, target, num_devices = task
+    cache: dict = {}  # prices of this signature's layers, shared by its architectures
+    out = []
+    for index, spec in group:
+        graph = _graph(spec)
+        slots = [k for _, k in named_layers(spec)]
+        counts = Counter(slots)
+        weights, flags = slot_weights(graph, slots), tuple(int(k in SLOT_KINDS) for k in slots)
+        tokens = spec.global_batch * spec.seq_len
+        model_flops = flops_per_token(spec, seq_len=spec.seq_len) * tokens
+        params_of: dict = {}
+        costs: dict = {}
+        reasons: Counter = Counter()
+        bounded = []  # (lower bound: every rank as loaded as the balanced share, ...): estimate_step's load=1
+        for lay, st in shortlist:
+            try:
+                check(lay, graph=graph, num_devices=num_devices, devices_per_node=target.devices_per_node,
+                      num_slots=len(slots))
+            except LayoutError as e:
+                reasons[_reason(e)] += 1
+                continue
+            pkey = (lay.tp, lay.pp, lay.ep)
+            params = params_of.get(pkey) or params_of.setdefault(pkey, stage_params(lay, graph, counts))
+            if static_bytes(lay, params) > target.usable_memory_bytes:
+                reasons["model states exceed device memory"] += 1
+                continue
+            ckey = (lay.tp, lay.cp, lay.ep, lay.etp, lay.micro_batch, st.dispatcher, st.overlap)
+            cost = costs.get(ckey) or costs.setdefault(
+                ckey, model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache))
+            low = estimate_step(lay, st, cost, weights=weights, slots=flags, params=params, target=target, load=1.0)
+            bounded.append(((not low.fits, low.step_s), len(bounded), lay, st, cost, params))
+        bounded.sort(key=lambda x: x[:2])
+        best = None
+        for low, _, lay, st, cost, params in bounded:  # the split's load only raises a step: stop at the first bound
+            if best is not None and low >= (not best[0].fits, best[0].step_s):  # that cannot beat the best
+                break
+            est = estimate_step(lay, st, cost, weights=weights, slots=flags, params=params, target=target)
+            if best is None or (not est.fits, est.step_s) < (not best[0].fits, best[0].step_s):
+                best = (est, lay, st)
+        if best is None:
+            why = reasons.most_common(1)[0][0] if reasons else "empty shortlist"
+            out.append(Screened(index, "no-layout", f"no shortlist layout fits ({why})"))
+            continue
+        est, lay, st = best
+        out.append(Screened(index, "ok", layout=lay, strategy=st, step_s=est.step_s, tokens_per_s=tokens / est.step_s,
+                            mfu=model_flops / (est.step_s * num_devices * target.cube_flops),
+                            memory_bytes=est.memory_bytes, fits=est.fits))
+    return out
+
+
+def shortlist(specs: list[ModelSpec], *, target: Target, num_devices: int, keep: int,
+              workers: int | None = None) -> list[tuple[Layout, Strategy]]:
+    """The best ``keep`` (layout, strategy) options by estimate of each representative in ``specs``, in order,
+    without repeats (module docstring, step 1)."""
+    from moeplan.search import Fixed, build_options, rank_by_estimate
+    from moeplan.trace import trace_model
+
+    seen: dict[tuple[Layout, Strategy], None] = {}
+    for spec in specs:
+        graph = trace_model(spec, seq_len=spec.seq_len)
+        fixed = Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len)
+        built = build_options(graph=graph, target=target, num_devices=num_devices, fixed=fixed)
+        ranked = rank_by_estimate(graph=graph, target=target, options=built.options, workers=workers)
+        for _, _, lay, st in ranked[:keep]:
+            seen.setdefault((lay, st), None)
+    return list(seen)
+
+
+def explore(space: Space, *, target: Target, num_devices: int, verify: int = 50, workers: int | None = None,
+            progress: Callable[[str, int, int], None] | None = None) -> ExploreResult:
+    """Run the architecture search (module docstring). ``progress(phase, done, total)`` is called as architectures
+    are screened ("screen") and verified ("verify"). Raises SpecError when no architecture meets the constraints."""
+    from moeplan.search import _Pool
+
+    t0 = time.perf_counter()
+    archs = architectures(space)
+    if not archs.kept:
+        why = "; ".join(f"{n} {r}" for r, n in archs.rejected.most_common(3))
+        raise SpecError(f"space={space.name!r}: none of the {archs.combinations} combinations meets the "
+                        f"constraints ({why})")
+    base = load_spec(space.base).with_shape(seq_len=space.seq_len, global_batch=space.global_batch)
+    by_size = sorted(archs.kept, key=lambda a: a.total_params)
+    reps = list({s.model_dump_json(): s for s in (base, by_size[0].spec, by_size[-1].spec)}.values())
+    options = shortlist(reps, target=target, num_devices=num_devices, keep=space.screen_layouts, workers=workers)
+    groups: dict[tuple, list[tuple[int, ModelSpec]]] = {}
+    for i, a in enumerate(archs.kept):
+        groups.setdefault(_signature(a.spec), []).append((i, a.spec))
+    tasks = [(g, options, target, num_devices) for g in groups.values()]
+    screened: list[Screened] = []
+    with _Pool(workers) as pool:
+        for part in pool.imap(_screen_group, tasks):
+            screened += part
+            if progress:
+                progress("screen", len(screened), len(archs.kept))
+    result = ExploreResult(space, target, num_devices, archs, sorted(screened, key=lambda s: s.index),
+                           shortlist=tuple(options), screen_s=time.perf_counter() - t0)
+    t1 = time.perf_counter()
+    best = result.ranked()[:verify]
+    for n, s in enumerate(best):
+        result.verified.append(_verify(archs.kept[s.index].spec, s.index, target, num_devices, workers))
+        if progress:
+            progress("verify", n + 1, len(best))
+    result.verify_s = time.perf_counter() - t1
+    return result
+
+
+def _verify(spec: ModelSpec, index: int, target: Target, num_devices: int, workers: int | None) -> Verified:
+    from moeplan.compile import compile_model
+    from moeplan.compiler import DEFAULT_PIPELINE
+    from moeplan.search import Fixed
+
+    try:
+        res = compile_model(spec=spec, target=target, num_devices=num_devices,
+                            fixed=Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len),
+                            pipeline=DEFAULT_PIPELINE, workers=workers)
+    except MoeplanError as e:
+        return Verified(index, "failed", str(e).splitlines()[0])
+    ev = res.result.ranked[0]
+    p = ev.state.prediction
+    return Verified(index, "ok", layout=ev.state.layout, strategy=ev.state.strategy, step_s=p.step_time_s,
+                    tokens_per_s=p.tokens_per_s, mfu=p.mfu, peak_memory_bytes=max(p.peak_memory_bytes),
+                    compile_s=res.compile_s)
+
+
+# ---- output --------------------------------------------------------------------------------------------------------
+CSV_COLUMNS = ("rank", "name", "total_params", "activated_params", "status", "reason", "layout", "schedule",
+               "screen_step_s", "screen_tokens_per_s", "screen_mfu", "screen_memory_gib", "screen_fits",
+               "full_layout", "full_step_s", "full_tokens_per_s", "full_mfu", "full_peak_memory_gib",
+               "screen_vs_full")
+
+
+def rows(result: ExploreResult) -> Iterator[dict]:
+    """One CSV row per kept architecture, best screened first (then those without a layout); the varied fields
+    first."""
+    verified = {v.index: v for v in result.verified}
+    order = result.ranked() + [s for s in result.screened if s.status != "ok"]
+    gib = 1024**3
+    for rank, s in enumerate(order, 1):
+        a = result.archs.kept[s.index]
+        v = verified.get(s.index)
+        row = {k: val for k, val in a.values}
+        row.update(rank=rank if s.status == "ok" else "", name=a.spec.name, total_params=a.total_params,
+                   activated_params=a.activated_params, status=s.status, reason=s.reason)
+        if s.status == "ok":
+            row.update(layout=s.layout.short(), schedule=s.strategy.short(), screen_step_s=f"{s.step_s:.6g}",
+                       screen_tokens_per_s=f"{s.tokens_per_s:.6g}", screen_mfu=f"{s.mfu:.4g}",
+                       screen_memory_gib=f"{s.memory_bytes / gib:.4g}", screen_fits=s.fits)
+        if v is not None and v.status == "ok":
+            row.update(full_layout=v.layout.short(), full_step_s=f"{v.step_s:.6g}",
+                       full_tokens_per_s=f"{v.tokens_per_s:.6g}", full_mfu=f"{v.mfu:.4g}",
+                       full_peak_memory_gib=f"{v.peak_memory_bytes / gib:.4g}",
+                       screen_vs_full=f"{s.step_s / v.step_s - 1:.4f}")
+        elif v is not None:
+            row.update(reason=v.reason)
+        yield row
+
+
+def to_csv(result: ExploreResult) -> str:
+    varied = list(result.space.choices.varied())
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=varied + list(CSV_COLUMNS), extrasaction="raise", lineterminator="\n")
+    w.writeheader()
+    for row in rows(result):
+        w.writerow(row)
+    return buf.getvalue()
+
+
+def pareto(result: ExploreResult) -> list[Screened]:
+    """The screened architectures no other beats on both activated parameters (more) and tokens/s (more), by
+    increasing activated parameters; those whose memory estimate does not fit are left out."""
+    pts = sorted((s for s in result.screened if s.status == "ok" and s.fits),
+                 key=lambda s: (-result.archs.kept[s.index].activated_params, -s.tokens_per_s))
+    front, best = [], 0.0
+    for s in pts:
+        if s.tokens_per_s > best:
+            front.append(s)
+            best = s.tokens_per_s
+    return front[::-1]
+
+
+def pareto_png(result: ExploreResult) -> bytes:
+    """PNG of every screened architecture (activated parameters against tokens/s, total parameters as colour) with
+    the Pareto front drawn over it and the verified figures as open markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [s for s in result.screened if s.status == "ok" and s.fits]
+    kept = result.archs.kept
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    sc = ax.scatter([kept[s.index].activated_params / 1e9 for s in ok], [s.tokens_per_s for s in ok],
+                    c=[kept[s.index].total_params / 1e9 for s in ok], s=6, cmap="viridis", alpha=0.6,
+                    linewidths=0)
+    fig.colorbar(sc, ax=ax, label="total parameters (B)")
+    front = pareto(result)
+    ax.plot([kept[s.index].activated_params / 1e9 for s in front], [s.tokens_per_s for s in front], "-o",
+            color="crimson", markersize=3, linewidth=1, label="Pareto front (screen)")
+    done = [v for v in result.verified if v.status == "ok"]
+    if done:
+        ax.scatter([kept[v.index].activated_params / 1e9 for v in done], [v.tokens_per_s for v in done],
+                   facecolors="none", edgecolors="black", s=30, label="full pipeline (verified)")
+    ax.set_xlabel("activated parameters (B)")
+    ax.set_ylabel("tokens/s (whole cluster)")
+    ax.set_title(f"{result.space.name}: {len(ok):,} architectures on {result.num_devices} x {result.target.name}")
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()

@@ -1,0 +1,83 @@
+"""Rich rendering and the JSON summary of ``moeplan explore`` (the core never imports this)."""
+from __future__ import annotations
+
+import statistics
+
+from rich.console import Console
+from rich.table import Table
+
+from moeplan.explore import SHORT_NAMES, ExploreResult, pareto
+from moeplan.layout import Layout
+
+GIB = 1024**3
+
+
+def gaps(result: ExploreResult) -> list[float]:
+    """Screened step / full-pipeline step − 1 of each verified architecture (verified order)."""
+    screened = {s.index: s for s in result.screened}
+    return [screened[v.index].step_s / v.step_s - 1 for v in result.verified if v.status == "ok"]
+
+
+def explore_summary(result: ExploreResult, top: int) -> dict:
+    """What the table shows, as data: counts, timings, the verification gap and the ``top`` best."""
+    g = gaps(result)
+    verified = {v.index: v for v in result.verified}
+    kept = result.archs.kept
+    best = []
+    for s in result.ranked()[:top]:
+        a, v = kept[s.index], verified.get(s.index)
+        best.append({"name": a.spec.name, **dict(a.values), "total_params_b": a.total_params / 1e9,
+                     "activated_params_b": a.activated_params / 1e9, "layout": s.layout.short(),
+                     "strategy": s.strategy.short(), "screen_step_s": s.step_s, "screen_tokens_per_s": s.tokens_per_s,
+                     "screen_mfu": s.mfu, "screen_memory_gib": s.memory_bytes / GIB, "screen_fits": s.fits,
+                     "full_step_s": v.step_s if v and v.status == "ok" else None,
+                     "full_layout": v.layout.short() if v and v.status == "ok" else None})
+    return {"combinations": result.archs.combinations, "kept": len(kept),
+            "rejected": dict(result.archs.rejected), "screened_ok": sum(s.status == "ok" for s in result.screened),
+            "shortlist": len(result.shortlist), "screen_s": result.screen_s, "verify_s": result.verify_s,
+            "verified": len(result.verified), "verified_failed": sum(v.status != "ok" for v in result.verified),
+            "gap_max_abs": max(map(abs, g), default=None), "gap_median": statistics.median(g) if g else None,
+            "pareto": [kept[s.index].spec.name for s in pareto(result)], "best": best}
+
+
+def render_explore(console: Console, result: ExploreResult, top: int) -> None:
+    """The best ``top`` architectures with their layouts and both figures, then one line per phase."""
+    kept = result.archs.kept
+    verified = {v.index: v for v in result.verified}
+    varied = list(result.space.choices.varied())
+    t = Table(title=f"{result.space.name} on {result.num_devices} x {result.target.name}: best by screened "
+                    f"tokens/s", title_justify="left")
+    t.add_column("#", justify="right")
+    for name in varied:
+        t.add_column(SHORT_NAMES[name], justify="right")
+    for col in ("total B", "act B", "layout", "schedule", "step s", "tok/s", "MFU", "GiB", "full s", "gap"):
+        t.add_column(col, justify="left" if col in ("layout", "schedule") else "right",
+                     no_wrap=col in ("layout", "schedule"))
+    for rank, s in enumerate(result.ranked()[:top], 1):
+        a, v = kept[s.index], verified.get(s.index)
+        values = dict(a.values)
+        full = gap = "" if v is None else "failed"
+        if v is not None and v.status == "ok":
+            full, gap = f"{v.step_s:.3f}", f"{s.step_s / v.step_s - 1:+.1%}"
+        t.add_row(str(rank), *(str(values[n]) for n in varied), f"{a.total_params / 1e9:.0f}",
+                  f"{a.activated_params / 1e9:.1f}", _short(s.layout), s.strategy.schedule,
+                  f"{s.step_s:.3f}", f"{s.tokens_per_s:,.0f}", f"{s.mfu:.1%}",
+                  f"{s.memory_bytes / GIB:.1f}" + ("" if s.fits else " !"), full, gap)
+    console.print(t)
+    console.print(f"[dim]{', '.join(f'{SHORT_NAMES[n]}: {n}' for n in varied)}; layout tp-pp-vpp-ep-cp-mb; GiB: "
+                  f"the screen's memory estimate (! over the device); gap: screened step / full step - 1[/]")
+    rej = ", ".join(f"{n} {r}" for r, n in result.archs.rejected.most_common(3))
+    no_layout = sum(s.status != "ok" for s in result.screened)
+    console.print(f"{result.archs.combinations:,} combinations, {len(kept):,} meet the constraints"
+                  + (f" (left out: {rej})" if rej else "") + f"; screened in {result.screen_s:.1f} s over "
+                  f"{len(result.shortlist)} shortlisted layouts" + (f"; {no_layout} with no shortlist layout that fits"
+                                                               if no_layout else ""))
+    g = gaps(result)
+    if result.verified:
+        console.print(f"verified {len(result.verified)} with the full pipeline in {result.verify_s:.1f} s: screen vs "
+                      f"full median {statistics.median(g):+.1%}, worst {max(g, key=abs):+.1%}" if g else
+                      f"verified {len(result.verified)}: every compile failed")
+
+
+def _short(lay: Layout) -> str:
+    return f"{lay.tp}-{lay.pp}-{lay.vpp}-{lay.ep}-{lay.cp}-{lay.micro_batch}"
