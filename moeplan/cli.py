@@ -146,9 +146,9 @@ def explore_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
-    from moeplan.explore import explore, load_space, pareto_png, to_csv
+    from moeplan.explore import explore, load_space
     from moeplan.files import write_atomic
-    from moeplan.render_explore import explore_summary, render_explore
+    from moeplan.render_explore import explore_summary, pareto_png, render_explore, to_csv
     from moeplan.targets import load_target
 
     for name, v in (("devices", devices), ("top", top), ("workers", workers)):

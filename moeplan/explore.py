@@ -16,8 +16,6 @@ must meet. Every combination is built and checked as a :class:`~moeplan.spec.Mod
 """
 from __future__ import annotations
 
-import csv
-import io
 import itertools
 import re
 import time
@@ -25,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Callable, Iterator, Literal
+from typing import Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -330,7 +328,7 @@ def _screen_group(task: tuple[list[tuple[int, ModelSpec]], list[tuple[Layout, St
                   ) -> list[Screened]:
     """Screen architectures of one signature (module docstring, step 2)."""
     from moeplan.passes.partition_stages import SLOT_KINDS
-    from moeplan.search import check, estimate_step, model_cost, slot_weights, stage_params, static_bytes
+    from moeplan.search import _shape_key, check, estimate_step, model_cost, slot_weights, stage_params, static_bytes
 
     group, shortlist, target, num_devices = task
     cache: dict = {}  # prices of this signature's layers, shared by its architectures
@@ -358,7 +356,7 @@ def _screen_group(task: tuple[list[tuple[int, ModelSpec]], list[tuple[Layout, St
             if static_bytes(lay, params) > target.usable_memory_bytes:
                 reasons["model states exceed device memory"] += 1
                 continue
-            ckey = (lay.tp, lay.cp, lay.ep, lay.etp, lay.micro_batch, st.dispatcher, st.overlap)
+            ckey = (_shape_key(lay, st), st.overlap)
             cost = costs.get(ckey) or costs.setdefault(
                 ckey, model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache))
             low = estimate_step(lay, st, cost, weights=weights, slots=flags, params=params, target=target, load=1.0)
@@ -456,49 +454,6 @@ def _verify(spec: ModelSpec, index: int, target: Target, num_devices: int, worke
                     compile_s=res.compile_s)
 
 
-# ---- output --------------------------------------------------------------------------------------------------------
-CSV_COLUMNS = ("rank", "name", "total_params", "activated_params", "status", "reason", "layout", "schedule",
-               "screen_step_s", "screen_tokens_per_s", "screen_mfu", "screen_memory_gib", "screen_fits",
-               "full_layout", "full_step_s", "full_tokens_per_s", "full_mfu", "full_peak_memory_gib",
-               "screen_vs_full")
-
-
-def rows(result: ExploreResult) -> Iterator[dict]:
-    """One CSV row per kept architecture, best screened first (then those without a layout); the varied fields
-    first."""
-    verified = {v.index: v for v in result.verified}
-    order = result.ranked() + [s for s in result.screened if s.status != "ok"]
-    gib = 1024**3
-    for rank, s in enumerate(order, 1):
-        a = result.archs.kept[s.index]
-        v = verified.get(s.index)
-        row = {k: val for k, val in a.values}
-        row.update(rank=rank if s.status == "ok" else "", name=a.spec.name, total_params=a.total_params,
-                   activated_params=a.activated_params, status=s.status, reason=s.reason)
-        if s.status == "ok":
-            row.update(layout=s.layout.short(), schedule=s.strategy.short(), screen_step_s=f"{s.step_s:.6g}",
-                       screen_tokens_per_s=f"{s.tokens_per_s:.6g}", screen_mfu=f"{s.mfu:.4g}",
-                       screen_memory_gib=f"{s.memory_bytes / gib:.4g}", screen_fits=s.fits)
-        if v is not None and v.status == "ok":
-            row.update(full_layout=v.layout.short(), full_step_s=f"{v.step_s:.6g}",
-                       full_tokens_per_s=f"{v.tokens_per_s:.6g}", full_mfu=f"{v.mfu:.4g}",
-                       full_peak_memory_gib=f"{v.peak_memory_bytes / gib:.4g}",
-                       screen_vs_full=f"{s.step_s / v.step_s - 1:.4f}")
-        elif v is not None:
-            row.update(reason=v.reason)
-        yield row
-
-
-def to_csv(result: ExploreResult) -> str:
-    varied = list(result.space.choices.varied())
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=varied + list(CSV_COLUMNS), extrasaction="raise", lineterminator="\n")
-    w.writeheader()
-    for row in rows(result):
-        w.writerow(row)
-    return buf.getvalue()
-
-
 def pareto(result: ExploreResult) -> list[Screened]:
     """The screened architectures no other beats on both activated parameters (more) and tokens/s (more), by
     increasing activated parameters; those whose memory estimate does not fit are left out."""
@@ -510,36 +465,3 @@ def pareto(result: ExploreResult) -> list[Screened]:
             front.append(s)
             best = s.tokens_per_s
     return front[::-1]
-
-
-def pareto_png(result: ExploreResult) -> bytes:
-    """PNG of every screened architecture (activated parameters against tokens/s, total parameters as colour) with
-    the Pareto front drawn over it and the verified figures as open markers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [s for s in result.screened if s.status == "ok" and s.fits]
-    kept = result.archs.kept
-    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
-    sc = ax.scatter([kept[s.index].activated_params / 1e9 for s in ok], [s.tokens_per_s for s in ok],
-                    c=[kept[s.index].total_params / 1e9 for s in ok], s=6, cmap="viridis", alpha=0.6,
-                    linewidths=0)
-    fig.colorbar(sc, ax=ax, label="total parameters (B)")
-    front = pareto(result)
-    ax.plot([kept[s.index].activated_params / 1e9 for s in front], [s.tokens_per_s for s in front], "-o",
-            color="crimson", markersize=3, linewidth=1, label="Pareto front (screen)")
-    done = [v for v in result.verified if v.status == "ok"]
-    if done:
-        ax.scatter([kept[v.index].activated_params / 1e9 for v in done], [v.tokens_per_s for v in done],
-                   facecolors="none", edgecolors="black", s=30, label="full pipeline (verified)")
-    ax.set_xlabel("activated parameters (B)")
-    ax.set_ylabel("tokens/s (whole cluster)")
-    ax.set_title(f"{result.space.name}: {len(ok):,} architectures on {result.num_devices} x {result.target.name}")
-    ax.legend(loc="upper right", fontsize=8)
-    ax.grid(alpha=0.3)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", bbox_inches="tight")
-    plt.close(fig)
-    return buf.getvalue()

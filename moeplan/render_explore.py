@@ -1,7 +1,11 @@
-"""Rich rendering and the JSON summary of ``moeplan explore`` (the core never imports this)."""
+"""What ``moeplan explore`` writes and prints: the CSV, the Pareto PNG, the rich table and the JSON summary (the
+core never imports this)."""
 from __future__ import annotations
 
+import csv
+import io
 import statistics
+from typing import Iterator
 
 from rich.console import Console
 from rich.table import Table
@@ -81,3 +85,77 @@ def render_explore(console: Console, result: ExploreResult, top: int) -> None:
 
 def _short(lay: Layout) -> str:
     return f"{lay.tp}-{lay.pp}-{lay.vpp}-{lay.ep}-{lay.cp}-{lay.micro_batch}"
+
+
+CSV_COLUMNS = ("rank", "name", "total_params", "activated_params", "status", "reason", "layout", "schedule",
+               "screen_step_s", "screen_tokens_per_s", "screen_mfu", "screen_memory_gib", "screen_fits",
+               "full_layout", "full_step_s", "full_tokens_per_s", "full_mfu", "full_peak_memory_gib",
+               "screen_vs_full")
+
+
+def rows(result: ExploreResult) -> Iterator[dict]:
+    """One CSV row per kept architecture, best screened first (then those without a layout); the varied fields
+    first."""
+    verified = {v.index: v for v in result.verified}
+    order = result.ranked() + [s for s in result.screened if s.status != "ok"]
+    for rank, s in enumerate(order, 1):
+        a = result.archs.kept[s.index]
+        v = verified.get(s.index)
+        row = {k: val for k, val in a.values}
+        row.update(rank=rank if s.status == "ok" else "", name=a.spec.name, total_params=a.total_params,
+                   activated_params=a.activated_params, status=s.status, reason=s.reason)
+        if s.status == "ok":
+            row.update(layout=s.layout.short(), schedule=s.strategy.short(), screen_step_s=f"{s.step_s:.6g}",
+                       screen_tokens_per_s=f"{s.tokens_per_s:.6g}", screen_mfu=f"{s.mfu:.4g}",
+                       screen_memory_gib=f"{s.memory_bytes / GIB:.4g}", screen_fits=s.fits)
+        if v is not None and v.status == "ok":
+            row.update(full_layout=v.layout.short(), full_step_s=f"{v.step_s:.6g}",
+                       full_tokens_per_s=f"{v.tokens_per_s:.6g}", full_mfu=f"{v.mfu:.4g}",
+                       full_peak_memory_gib=f"{v.peak_memory_bytes / GIB:.4g}",
+                       screen_vs_full=f"{s.step_s / v.step_s - 1:.4f}")
+        elif v is not None:
+            row.update(reason=v.reason)
+        yield row
+
+
+def to_csv(result: ExploreResult) -> str:
+    varied = list(result.space.choices.varied())
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=varied + list(CSV_COLUMNS), extrasaction="raise", lineterminator="\n")
+    w.writeheader()
+    for row in rows(result):
+        w.writerow(row)
+    return buf.getvalue()
+
+
+def pareto_png(result: ExploreResult) -> bytes:
+    """PNG of every screened architecture (activated parameters against tokens/s, total parameters as colour) with
+    the Pareto front drawn over it and the verified figures as open markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [s for s in result.screened if s.status == "ok" and s.fits]
+    kept = result.archs.kept
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    sc = ax.scatter([kept[s.index].activated_params / 1e9 for s in ok], [s.tokens_per_s for s in ok],
+                    c=[kept[s.index].total_params / 1e9 for s in ok], s=6, cmap="viridis", alpha=0.6,
+                    linewidths=0)
+    fig.colorbar(sc, ax=ax, label="total parameters (B)")
+    front = pareto(result)
+    ax.plot([kept[s.index].activated_params / 1e9 for s in front], [s.tokens_per_s for s in front], "-o",
+            color="crimson", markersize=3, linewidth=1, label="Pareto front (screen)")
+    done = [v for v in result.verified if v.status == "ok"]
+    if done:
+        ax.scatter([kept[v.index].activated_params / 1e9 for v in done], [v.tokens_per_s for v in done],
+                   facecolors="none", edgecolors="black", s=30, label="full pipeline (verified)")
+    ax.set_xlabel("activated parameters (B)")
+    ax.set_ylabel("tokens/s (whole cluster)")
+    ax.set_title(f"{result.space.name}: {len(ok):,} architectures on {result.num_devices} x {result.target.name}")
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()

@@ -531,10 +531,15 @@ def rank_by_estimate(*, graph: ModelGraph, target: Target, options: list[tuple[L
     try:
         tasks = _shape_tasks(options, slots, slot_weights(graph, slots))
         with _Pool(workers) as pool:
-            scored = [x for part in pool.map(_estimate_shape, tasks, chunksize=max(1, len(tasks) // 16))
-                      for x in part]
+            return _estimate_all(pool, tasks)
     finally:
         _SHARED.clear()
+
+
+def _estimate_all(pool: "_Pool", tasks: list[list[tuple[Layout, Strategy, tuple[float, float]]]]
+                  ) -> list[tuple[tuple[bool, float], float, Layout, Strategy]]:
+    """:func:`_estimate_shape` of every task in ``pool``, flattened and sorted by sort key (best first)."""
+    scored = [x for part in pool.map(_estimate_shape, tasks, chunksize=max(1, len(tasks) // 16)) for x in part]
     scored.sort(key=lambda x: x[0])
     return scored
 
@@ -581,8 +586,7 @@ def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, fl
     tasks = _shape_tasks(options, slots, weights)
     out = _Outcome(keep)
     with _Pool(workers) as pool:
-        scored = [x for part in pool.map(_estimate_shape, tasks, chunksize=max(1, len(tasks) // 16)) for x in part]
-        scored.sort(key=lambda x: x[0])
+        scored = _estimate_all(pool, tasks)
         first = scored[:candidates if candidates is not None else max(keep, 4)]
         rest = sorted(scored[len(first):], key=lambda x: x[1])
         del scored

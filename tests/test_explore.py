@@ -13,8 +13,8 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as hs
 
-from moeplan.explore import (Screened, _graph, _screen_group, architectures, explore, load_space, pareto, pareto_png,
-                             shortlist, to_csv)
+from moeplan.explore import Screened, _graph, _screen_group, architectures, explore, load_space, pareto, shortlist
+from moeplan.render_explore import pareto_png, to_csv
 from moeplan.errors import SpecError
 from moeplan.flops import count_params
 from moeplan.ir import named_layers
