@@ -82,7 +82,8 @@ def compile_cmd(
     pipeline: Optional[str] = typer.Option(None, "--pipeline", help="comma-separated pass names"),
     top: int = typer.Option(1, "--top", help="print the best K layouts"),
     candidates: int = typer.Option(4, "--candidates",
-                                   help="layouts simulated with the full pipeline (at least --top)"),
+                                   help="best estimates simulated with the full pipeline (at least --top), then as many "
+                                        "follow-ups at most whose corrected estimate beats the best found"),
     exact: bool = typer.Option(False, "--exact", help="simulate every layout whose lower bound is below the best "
                                                       "found: the optimum under the cost model (slow)"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary instead of tables"),

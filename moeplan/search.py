@@ -17,11 +17,13 @@
    docs/step-model.md §7).
 5. **Evaluate** the ``candidates`` best estimates (those whose memory estimate fits first) with the full pipeline
    in parallel processes and rank them by simulated step time, holding only the ``keep`` fastest whole (memory does
-   not grow with the number evaluated). An option whose bound is not below the ``keep``-th best step found so far
-   is pruned: skipped, stopped before the simulation once ``plan-memory`` has fixed its stages and recompute
-   (:func:`moeplan.bounds.plan_bound`, a tighter bound), or stopped during it as soon as a rank's compute runs past
-   that step (the step can only be longer). Each worker has one candidate in flight, so the next one sent sees the
-   best step found so far. A candidate the memory pass finds infeasible is retried
+   not grow with the number evaluated). Their simulated steps over their estimates measure how far the estimate is
+   off per schedule class; then up to ``candidates`` **follow-ups**, the options whose estimate so corrected beats
+   the best step found (:func:`_follow_ups`), go through too. A follow-up whose bound is not below the ``keep``-th
+   best step found so far is pruned: skipped, stopped before the simulation once ``plan-memory`` has fixed its
+   stages and recompute (:func:`moeplan.bounds.plan_bound`, a tighter bound), or stopped during it as soon as a
+   rank's compute runs past that step (the step can only be longer). Each worker has one in flight, so the next
+   one sent sees the best step found so far. A candidate the memory pass finds infeasible is retried
    without ``fb`` when the overlap set was chosen automatically (``fb`` keeps one more micro-batch in flight), else
    counted (a typed :class:`Rejected`) and dropped.
 6. **Exact** (``candidates=None``): after the best estimates, every other option in order of its bound until the
@@ -186,6 +188,7 @@ class ModelCost:
     recompute_s: Mapping[str, float]
     act_bytes: Mapping[str, float]
     pair_edge: float = 0.0  # under fb, the first layer's extra once per pair action: model_cost
+    bwd_busy_s: Mapping[str, float] = field(default_factory=dict)  # per link tier: seconds its backward holds it
 
 
 def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Dispatcher, overlap: frozenset,
@@ -203,10 +206,15 @@ def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Di
     f = i = w = pair = 0.0
     redo = dict.fromkeys(MODES, 0.0)
     act = dict.fromkeys(MODES, 0.0)
+    busy: dict[str, float] = {}
     edges: dict[LayerKind, float] = {}
     for kind, n in counts.items():
         key, (lc, lr, la) = _priced(graph, kind, layout, target, dispatcher, cache)
         prog = lc.program
+        for seg in prog.bwd_input + prog.bwd_weight:
+            if seg.comm is not None:
+                for tier in ("intra", "inter"):
+                    busy[tier] = busy.get(tier, 0.0) + n * seg.comm.busy_s(tier)  # type: ignore[arg-type]
         # the prices depend only on the mechanisms the layer's collectives name (async_by) and on fb
         used = overlap & ({s.async_by for s in prog.fwd + prog.bwd_input} | {"fb"})
         if (key, used) not in cache:
@@ -222,7 +230,7 @@ def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Di
         for m in MODES:
             redo[m] += n * lr[m]
             act[m] += n * la[m]
-    return ModelCost(f, i, w, pair, redo, act, edges[max(counts, key=counts.__getitem__)])
+    return ModelCost(f, i, w, pair, redo, act, edges[max(counts, key=counts.__getitem__)], busy)
 
 
 def _priced(graph: ModelGraph, kind: LayerKind, layout: Layout, target: Target, dispatcher: Dispatcher,
@@ -318,8 +326,9 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
         load = rank_load(weights, slots, pp, vpp, placement_of(strategy.schedule))
     load /= pp
     f, w = load * cost.fwd, load * cost.bwd_weight
-    i = load * (cost.bwd_input + cost.recompute_s[mode])
-    pair = load * (cost.pair + cost.recompute_s[mode]) + vpp * cost.pair_edge  # a micro-batch: vpp pairs on a rank
+    redo = cost.recompute_s[mode]
+    i = load * (cost.bwd_input + redo)
+    pair = load * (cost.pair + redo) + vpp * cost.pair_edge  # a micro-batch: vpp pairs on a rank
     pairs = max(0, m - pp) if fb and strategy.schedule in FB_PAIRED else 0
     work = (m - pairs) * (f + i + w) + pairs * pair
     kind = strategy.schedule
@@ -332,16 +341,19 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
     dense, expert = params
     tail = adam_s(dense / (layout.dp * layout.cp) + expert / layout.expert_dp, target)
     overlap_dp = "dp" in strategy.overlap
-    rs_chunk = 0.0
+    rs_chunk, taken = 0.0, 0.0
     for n, group, stride in ((dense, layout.dp * layout.cp, layout.tp), (expert, layout.expert_dp, layout.tp * layout.ep)):
         if n and group > 1:
-            rs, ag, _ = dp_sync_s(n / vpp if overlap_dp else n, group=group, stride=stride, target=target)
+            rs, ag, tier = dp_sync_s(n / vpp if overlap_dp else n, group=group, stride=stride, target=target)
             if overlap_dp:
                 rs_chunk += rs
+                # the backwards' own collectives hold the tier for this share of the drain
+                taken = max(taken, min(1.0, cost.bwd_busy_s.get(tier, 0.0) / (cost.bwd_input + redo + cost.bwd_weight)))
             else:
                 tail += rs + ag
     if rs_chunk:
-        tail += exposed_reduce_scatter_s(rs_chunk, drain_windows(kind, pp=pp, vpp=vpp, chunk_backward_s=(i + w) / vpp))
+        windows = drain_windows(kind, pp=pp, vpp=vpp, chunk_backward_s=(i + w) / vpp)
+        tail += exposed_reduce_scatter_s(rs_chunk, [x * (1 - taken) for x in windows])
     return Estimate(step_s=work + bubble + tail, recompute=mode, fits=fits, memory_bytes=memory)
 
 
@@ -580,36 +592,68 @@ def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, fl
                            workers: int | None, keep: int, *, auto_overlap: bool) -> _Outcome:
     """Steps 4–6 of the module docstring in one pool of worker processes: the options of one layer-cost shape
     (:func:`_shape_key`) are priced, estimated and bounded together; the best estimates go through the full
-    pipeline, then (``candidates=None``) every option whose bound is below the best step found, in bound order. The
-    ``keep`` fastest evaluated are held whole, the others dropped as they arrive (memory does not grow with the
-    number evaluated)."""
+    pipeline, then the follow-ups (:func:`_follow_ups`) or (``candidates=None``) every option whose bound is below
+    the best step found, in bound order. The ``keep`` fastest evaluated are held whole, the others dropped as they
+    arrive (memory does not grow with the number evaluated). What is sent depends only on results, never on the
+    order they arrive in: the same plan for any number of workers."""
     tasks = _shape_tasks(options, slots, weights)
     out = _Outcome(keep)
     with _Pool(workers) as pool:
         scored = _estimate_all(pool, tasks)
         first = scored[:candidates if candidates is not None else max(keep, 4)]
-        rest = sorted(scored[len(first):], key=lambda x: x[1])
+        rest = scored[len(first):]
         del scored
+        # the first ones are simulated in full, whatever arrives first: what they measure decides the follow-ups
+        for (est, _, _, st), r in zip(first, pool.imap(_evaluate, [(lay, st, pipeline, auto_overlap, float("inf"))
+                                                                     for _, _, lay, st in first])):
+            out.add(r, est[1], _estimate_class(st))
+        if candidates is None:  # exact: in bound order; none of the rest can beat the best once a bound does not
+            then, left = sorted(rest, key=lambda x: x[1]), []
+        else:
+            then, left = _follow_ups(rest, out, limit=candidates)
+        del rest
+        sent: deque[tuple[float, tuple[str, bool]]] = deque()  # (estimate, class) of each option in flight
 
         def sends() -> Iterator[tuple[Layout, Strategy, str, bool, float]]:
-            for _, bound, lay, st in first:
-                if bound < out.beat_s:
-                    yield lay, st, pipeline, auto_overlap, out.beat_s
-                else:
+            for i, ((_, est), bound, lay, st) in enumerate(then):
+                if bound >= out.beat_s:
+                    if candidates is None:  # in bound order: every later one is out too
+                        out.pruned += len(then) - i
+                        return
                     out.pruned += 1
-            if candidates is not None:  # the rest stay unsimulated: the least bound of those that could win
-                out.pruned += sum(1 for x in rest if x[1] >= out.beat_s)
-                out.bound_s = min((x[1] for x in rest if x[1] < out.beat_s), default=float("inf"))
-                return
-            for i, (_, bound, lay, st) in enumerate(rest):
-                if bound >= out.beat_s:  # in bound order: none of the rest can beat the best
-                    out.pruned += len(rest) - i
-                    return
+                    continue
+                sent.append((est, _estimate_class(st)))
                 yield lay, st, pipeline, auto_overlap, out.beat_s
 
         for r in pool.imap(_evaluate, sends()):
-            out.add(r)
+            est, cls = sent.popleft()
+            out.add(r, est, cls)
+        # the rest stay unsimulated: the least bound of those that could win
+        out.pruned += sum(1 for x in left if x[1] >= out.beat_s)
+        out.bound_s = min((x[1] for x in left if x[1] < out.beat_s), default=float("inf"))
     return out
+
+
+def _estimate_class(strategy: Strategy) -> tuple[str, bool]:
+    """What an estimate's error is measured per (:func:`_follow_ups`): the schedule, and whether its forwards and
+    backwards run as overlapped pairs (docs/step-model.md §4: the closed form misses how pairs wait on each
+    other)."""
+    return strategy.schedule, "fb" in strategy.overlap and strategy.schedule in FB_PAIRED
+
+
+def _follow_ups(rest: list[tuple[tuple[bool, float], float, Layout, Strategy]], out: "_Outcome", *, limit: int
+                ) -> tuple[list, list]:
+    """(the options to simulate next, the others): at most ``limit`` of those whose memory estimate fits, least
+    corrected estimate first, each below the best step simulated so far.
+
+    The correction is measured, not assumed: each simulated option gives its step over its estimate, and an
+    option's estimate is scaled by the least such ratio seen in its class (:func:`_estimate_class`), by none while
+    its class has no simulation. So a class the estimate favours wrongly (say, one 20% optimistic) stops crowding
+    out the others once its first options are simulated, and a class not simulated yet gets a look when its best
+    estimate beats the best step."""
+    ranked = sorted(((x[0][1] * out.ratio(_estimate_class(x[3])), i) for i, x in enumerate(rest) if not x[0][0]))
+    chosen = {i for corrected, i in ranked[:limit] if corrected < out.beat_s}
+    return [rest[i] for _, i in ranked[:limit] if i in chosen], [x for i, x in enumerate(rest) if i not in chosen]
 
 
 @dataclass
@@ -624,6 +668,7 @@ class _Outcome:
     sent: int = 0
     pruned: int = 0
     bound_s: float = float("inf")
+    ratios: dict[tuple[str, bool], float] = field(default_factory=dict)  # per estimate class: :meth:`ratio`
 
     @property
     def beat_s(self) -> float:
@@ -631,8 +676,16 @@ class _Outcome:
         ``keep``, else ``inf``."""
         return -self.best[0][0] if len(self.best) >= self.keep else float("inf")
 
-    def add(self, r: Evaluated | Rejected | Pruned) -> None:
+    def ratio(self, cls: tuple[str, bool]) -> float:
+        """The least simulated-over-estimated step seen in ``cls``; 1 (the estimate as it is) while it has none."""
+        return self.ratios.get(cls, 1.0)
+
+    def add(self, r: Evaluated | Rejected | Pruned, estimate_s: float, cls: tuple[str, bool]) -> None:
+        """Count ``r``, the result of the option estimated at ``estimate_s`` seconds in class ``cls``."""
         self.sent += not isinstance(r, Pruned)
+        if isinstance(r, Evaluated) and estimate_s > 0:
+            ratio = r.state.prediction.step_time_s / estimate_s  # type: ignore[union-attr]
+            self.ratios[cls] = min(self.ratios.get(cls, ratio), ratio)
         if isinstance(r, Rejected):
             self.refused.append(r)
         elif isinstance(r, Pruned):

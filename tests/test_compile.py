@@ -47,19 +47,46 @@ def test_free_search_no_worse_than_reported(pangu_fixed):
 
 
 def test_search_holds_only_the_fastest_it_evaluated():
-    # memory does not grow with --candidates: only `keep` evaluated layouts are held whole, the same ones in the
-    # same order as when every one is kept, whether evaluated in this process or in workers
+    # memory does not grow with --candidates: only `keep` evaluated layouts are held whole; the plan does not depend
+    # on how many worker processes evaluate (what is sent depends on results, not on the order they arrive in)
     kw = dict(spec=load_spec("mixtral-8x22b"), target=load_target("h100"), num_devices=64,
               fixed=Fixed(global_batch=256, seq_len=4096), candidates=10)
     every = compile_model(**kw, keep=10, workers=1).result
     few = compile_model(**kw, keep=3, workers=2).result
+    few_alone = compile_model(**kw, keep=3, workers=1).result
     steps = [e.state.prediction.step_time_s for e in every.ranked]
-    assert len(steps) > 3 and steps == sorted(steps)
-    assert every.num_evaluated == 10 and len(few.ranked) == 3
-    assert few.num_evaluated <= 10  # what a bound shows cannot reach the 3 fastest is not simulated
+    assert len(steps) == 10 and steps == sorted(steps)
+    assert 10 <= every.num_evaluated <= 20  # the 10 best estimates, then at most 10 follow-ups
+    assert len(few.ranked) == 3 and few.num_evaluated <= every.num_evaluated
     assert [(e.state.layout, e.state.strategy, e.state.prediction.step_time_s) for e in few.ranked] == \
-        [(e.state.layout, e.state.strategy, e.state.prediction.step_time_s) for e in every.ranked[:3]]
+        [(e.state.layout, e.state.strategy, e.state.prediction.step_time_s) for e in few_alone.ranked]
+    assert (few.num_evaluated, few.num_pruned) == (few_alone.num_evaluated, few_alone.num_pruned)
+    assert few.ranked[0].state.prediction.step_time_s >= steps[0]  # `every` sent a superset of what `few` sent
     assert few.rejected == every.rejected
+
+
+def test_follow_ups_correct_each_estimate_by_what_its_class_measured():
+    """After the first simulations, an option's estimate is scaled by the least simulated/estimated ratio of its
+    class (schedule, fb pairs); a class not simulated yet is taken as estimated; only what then beats the best step
+    found goes, least corrected estimate first, at most `limit`."""
+    from moeplan.layout import Layout
+    from moeplan.search import _follow_ups, _Outcome
+    from moeplan.state import Strategy
+
+    lay = Layout(tp=1, pp=2, vpp=2, ep=1, etp=1, cp=1, dp=1, micro_batch=1, global_batch=8, seq_len=16)
+    paired = Strategy(schedule="interleaved", overlap=frozenset({"fb"}))
+    zb = Strategy(schedule="zero-bubble")
+    out = _Outcome(keep=1)
+    out.best = [(-10.0, -1, None)]  # type: ignore[list-item]  # the best step so far: 10 s
+    out.ratios = {("interleaved", True): 1.25}
+    rest = [((False, 8.5), 0.0, lay, paired),  # corrected 10.6: out
+            ((False, 9.0), 0.0, lay, zb),  # unmeasured class: 9.0 goes, first
+            ((True, 5.0), 0.0, lay, zb),  # memory estimate does not fit: never a follow-up
+            ((False, 7.9), 0.0, lay, paired),  # corrected 9.875: goes, second
+            ((False, 9.95), 0.0, lay, zb)]  # 9.95 would go, but the limit is 2
+    chosen, left = _follow_ups(rest, out, limit=2)
+    assert [x[0][1] for x in chosen] == [9.0, 7.9]
+    assert sorted(x[0][1] for x in left) == [5.0, 8.5, 9.95]
 
 
 def test_plan_round_trip_and_resimulate(tmp_path, pangu_fixed):
