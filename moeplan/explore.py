@@ -25,10 +25,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from moeplan.errors import LayoutError, MoeplanError, SpecError
+from moeplan.files import read_yaml
 from moeplan.flops import count_params, flops_per_token
 from moeplan.ir import LayerKind, ModelGraph, named_layers
 from moeplan.layout import Layout
@@ -148,15 +148,10 @@ class Space(BaseModel):
 
 
 def load_space(path: str | Path) -> Space:
-    """Read and validate a SPACE YAML (``yaml.safe_load``). Raises SpecError with one line naming the field, the
-    value and the rule (a missing file, bad YAML, an unknown field, a bad value, a base model that does not load)."""
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except OSError as e:
-        raise SpecError(f"space={str(path)!r}: cannot read ({e.strerror or e})") from None
-    except yaml.YAMLError as e:
-        raise SpecError(f"space={str(path)!r}: not valid YAML ({str(e).splitlines()[0]})") from None
+    """Read and validate a SPACE YAML (:func:`moeplan.files.read_yaml`, a safe loader). Raises SpecError with one
+    line naming the field, the value and the rule (a missing file, bad YAML, an unknown field, a bad value, a base
+    model that does not load)."""
+    data = read_yaml(path, field="space", error=SpecError)
     if not isinstance(data, dict):
         raise SpecError(f"space={str(path)!r}: must be a mapping with name, base and choices")
     try:

@@ -1,9 +1,16 @@
-"""Atomic file output: a reader never sees a half-written file, and a failed write leaves nothing behind."""
+"""File I/O shared by the commands: atomic output (a reader never sees a half-written file, and a failed write leaves
+nothing behind) and the YAML reader whose errors are one line."""
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
+
+import yaml
+
+from moeplan.errors import MoeplanError
+
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's safe loader when built in: plans are large
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:
@@ -21,3 +28,16 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_yaml(path: str | Path, *, field: str, error: type[MoeplanError]) -> object:
+    """The YAML document in ``path``, read with a safe loader (nothing in it is executed). Raises ``error`` with one
+    line, ``{field}='{path}': ...``, when the file cannot be read or is not YAML."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise error(f"{field}={str(path)!r}: cannot read ({e.strerror or e})") from None
+    try:
+        return yaml.load(text, Loader=_LOADER)
+    except yaml.YAMLError as e:
+        raise error(f"{field}={str(path)!r}: malformed YAML ({str(e).splitlines()[0]})") from None

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from moeplan.cost_models.timeline import compute_parts, parse_action
-from moeplan.files import write_atomic
+from moeplan.files import read_yaml, write_atomic
 from moeplan.errors import PlanError
 from moeplan.ir import kind_of, named_layers
 from moeplan.names import Dispatcher, Mechanism, ScheduleKind
@@ -26,7 +26,6 @@ MFU_DEFINITION = ("MFU = model FLOPs/s ÷ (devices × peak bf16 FLOP/s); model F
                   "count without MTP (docs/references.md §4.1)")
 # libyaml's C implementations of the *safe* dumper and loader when present (same rules, ~10x faster)
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class _Frozen(BaseModel):
@@ -200,13 +199,7 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 
 def load_plan(path: str | Path) -> Plan:
     """Read, validate and check a plan file. Raises PlanError with one line naming the problem."""
-    path = Path(path)
-    try:
-        data = yaml.load(path.read_text(), Loader=_LOADER)
-    except OSError as e:
-        raise PlanError(f"plan={str(path)!r}: cannot read ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        raise PlanError(f"plan={str(path)!r}: malformed YAML ({str(e).splitlines()[0]})") from None
+    data = read_yaml(path, field="plan", error=PlanError)
     if not isinstance(data, dict):
         raise PlanError(f"plan={str(path)!r}: a plan must hold a mapping")
     version = data.get("schema_version")

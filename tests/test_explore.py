@@ -56,7 +56,7 @@ def edited(**changes: object) -> dict:
     (edited(constraints__total_params_b=[5, 1]), "must be [min, max]"),
     (edited(base="no-such-model"), "no-such-model"),
     (edited(choices__num_kv_heads=[2]), "mla attention"),
-    ("name: [unclosed", "not valid YAML"),
+    ("name: [unclosed", "malformed YAML"),
     ("- a list", "must be a mapping"),
 ])
 def test_bad_space_is_one_line_exit_2_and_nothing_written(tmp_path, data, needle):
