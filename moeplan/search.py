@@ -211,10 +211,11 @@ def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Di
     for kind, n in counts.items():
         key, (lc, lr, la) = _priced(graph, kind, layout, target, dispatcher, cache)
         prog = lc.program
-        for seg in prog.bwd_input + prog.bwd_weight:
-            if seg.comm is not None:
-                for tier in ("intra", "inter"):
-                    busy[tier] = busy.get(tier, 0.0) + n * seg.comm.busy_s(tier)  # type: ignore[arg-type]
+        if ("bwd_busy", key) not in cache:
+            comms = [x.comm for x in prog.bwd_input + prog.bwd_weight if x.comm is not None]
+            cache[("bwd_busy", key)] = {t: sum(c.busy_s(t) for c in comms) for t in ("intra", "inter")}
+        for tier, secs in cache[("bwd_busy", key)].items():
+            busy[tier] = busy.get(tier, 0.0) + n * secs
         # the prices depend only on the mechanisms the layer's collectives name (async_by) and on fb
         used = overlap & ({s.async_by for s in prog.fwd + prog.bwd_input} | {"fb"})
         if (key, used) not in cache:
