@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import weakref
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, ClassVar, Mapping, Protocol, runtime_checkable
@@ -152,13 +153,17 @@ def _counted(fn: Callable[[], object], mapping: dict | None = None) -> tuple[obj
 
 class _SavedLog:
     """Pack hook that sorts saved tensors into parameters (ignored), inputs (by producer; an input without a
-    producer name counts as internal) and internal storage (each storage once, at its full size)."""
+    producer name counts as internal) and internal storage (each storage once, at its full size).
+
+    Only what is still held when the forward returns counts: a tensor saved by a branch that no output depends on
+    (the group scores behind a top-k index, say) is freed with that branch, as it is in training. Storages are told
+    apart by address, which a freed storage hands on, so the log keeps weak references and counts the live ones at
+    the end (:meth:`internal`)."""
 
     def __init__(self, inputs: list[tuple[torch.Tensor, str | None]], params: list[torch.Tensor]) -> None:
         self.param_ids = {_storage_id(p) for p in params}
         self.input_ids = {_storage_id(t): name for t, name in inputs if name is not None}
-        self.internal: dict[int, int] = {}
-        self.fixed: set[int] = set()  # storages not in ACT_DTYPE (indices, fp32 upcasts): size independent of it
+        self.saved: list[tuple[weakref.ref, int, bool]] = []  # (tensor, storage bytes, not in ACT_DTYPE)
         self.producers: dict[str, None] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -166,13 +171,18 @@ class _SavedLog:
         if sid in self.input_ids:
             self.producers[self.input_ids[sid]] = None
         elif sid not in self.param_ids:
-            self.internal[sid] = max(self.internal.get(sid, 0), t.untyped_storage().nbytes())
-            if t.dtype != ACT_DTYPE:
-                self.fixed.add(sid)
+            self.saved.append((weakref.ref(t), t.untyped_storage().nbytes(), t.dtype != ACT_DTYPE))
         return t
 
-    def fixed_bytes(self) -> int:
-        return sum(b for sid, b in self.internal.items() if sid in self.fixed)
+    def internal(self) -> tuple[int, int]:
+        """(bytes, the part not in ACT_DTYPE: indices, fp32 upcasts) of the live saved storages, each once."""
+        live: dict[int, tuple[int, bool]] = {}
+        for ref, nbytes, fixed in self.saved:
+            t = ref()
+            if t is not None:
+                sid = _storage_id(t)
+                live[sid] = (max(nbytes, live.get(sid, (0, False))[0]), fixed or live.get(sid, (0, False))[1])
+        return sum(b for b, _ in live.values()), sum(b for b, f in live.values() if f)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
@@ -198,13 +208,17 @@ def measure_node(run: Callable[[], object], inputs: list[tuple[torch.Tensor, str
     log = _SavedLog(inputs, params)
     with torch.enable_grad(), log.hooks():
         out, fwd, fwd_k = _counted(run, _gemm_mapping(gemms))
+    saved = log.internal()
     outs = [o for o in _tensors(out) if o.is_floating_point()]
     with torch.enable_grad():
         dx, dx_k = _grad_flops(outs, [t for t, _ in inputs], retain=True)
-        full, full_k = _grad_flops(outs, [t for t, _ in inputs] + params, retain=False)
+        if any(p.requires_grad for p in params):
+            full, full_k = _grad_flops(outs, [t for t, _ in inputs] + params, retain=False)
+        else:  # nothing but the inputs to differentiate: the full backward is the input-gradient one
+            full, full_k = dx, dx_k
     gemm = max(gemms, key=lambda g: g[0] * g[1] * g[2] * g[3])[:3] if gemms else None
-    return out, _Measured(fwd, dx, full - dx, fwd_k, dx_k, max(0, full_k - dx_k), sum(log.internal.values()),
-                          log.fixed_bytes(), tuple(log.producers), gemm)
+    return out, _Measured(fwd, dx, full - dx, fwd_k, dx_k, max(0, full_k - dx_k), *saved, tuple(log.producers),
+                          gemm)
 
 
 def measure_saved(run: Callable[[], object],
@@ -213,8 +227,10 @@ def measure_saved(run: Callable[[], object],
     inputs)."""
     log = _SavedLog(inputs, [])
     with torch.enable_grad(), log.hooks():
-        run()
-    return sum(log.internal.values()), log.fixed_bytes(), tuple(log.producers)
+        out = run()  # held while the log counts: what it holds is what backward would find
+        saved = log.internal()
+    del out
+    return *saved, tuple(log.producers)
 
 
 # ---- one layer -----------------------------------------------------------------------------------------------------
@@ -249,6 +265,9 @@ def _op_kind(root: nn.Module, n: torch.fx.Node) -> OpKind:
     return OpKind.ELEMENTWISE
 
 
+_NOT_RUN = object()
+
+
 class _CostProp(ShapeProp):
     """``ShapeProp`` that also measures every compute node on meta (see the module docstring).
 
@@ -260,15 +279,28 @@ class _CostProp(ShapeProp):
         super().__init__(gm)
         self.root, self.kind, self.hidden_input = root, kind, hidden_input
         self.ops: list[OpAnnotation] = []
+        self._ran: object = _NOT_RUN  # the measured run's output of the node being propagated
 
     def run_node(self, n: torch.fx.Node) -> object:
-        with torch.no_grad():
-            result = super().run_node(n)
         if n.op in _COMPUTE_OPS:
-            annotation = self._annotate(n)
+            annotation, out = self._annotate(n)
             n.meta["moeplan"] = annotation  # docs/architecture.md §3: the typed annotation also rides on the node
             self.ops.append(annotation)
-        return result
+            self._ran = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+        try:
+            with torch.no_grad():
+                return super().run_node(n)  # shapes and metadata; the op itself ran once, measured
+        finally:
+            self._ran = _NOT_RUN
+
+    def call_module(self, target, args, kwargs):  # noqa: ANN001, ANN201 (torch.fx.Interpreter's signature)
+        return super().call_module(target, args, kwargs) if self._ran is _NOT_RUN else self._ran
+
+    def call_function(self, target, args, kwargs):  # noqa: ANN001, ANN201
+        return super().call_function(target, args, kwargs) if self._ran is _NOT_RUN else self._ran
+
+    def call_method(self, target, args, kwargs):  # noqa: ANN001, ANN201
+        return super().call_method(target, args, kwargs) if self._ran is _NOT_RUN else self._ran
 
     def _materialize(self, n: torch.fx.Node) -> tuple[tuple, dict, list[tuple[torch.Tensor, str | None]],
                                                        list[torch.Tensor]]:
@@ -297,7 +329,7 @@ class _CostProp(ShapeProp):
             params.extend(self.module.get_submodule(str(n.target)).parameters())
         return args, kwargs, inputs, params
 
-    def _annotate(self, n: torch.fx.Node) -> OpAnnotation:
+    def _annotate(self, n: torch.fx.Node) -> tuple[OpAnnotation, object]:
         args, kwargs, inputs, params = self._materialize(n)
         kind = _op_kind(self.module, n)
         out, m = measure_node(lambda: getattr(self, n.op)(n.target, args, kwargs), inputs, params)
@@ -313,7 +345,7 @@ class _CostProp(ShapeProp):
         is_view = bool(outs) and out_ids <= {_storage_id(t) for t in in_tensors}
         view_of = next((name for t, name in inputs if _storage_id(t) in out_ids), None) if is_view else None
         path = _module_path(n)
-        return OpAnnotation(
+        return (OpAnnotation(
             name=n.name, op_kind=kind, module_path=path, layer_kind=self.kind, fwd_flops=m.fwd_flops * scale,
             bwd_input_flops=m.bwd_input_flops * scale, bwd_weight_flops=m.bwd_weight_flops,
             bytes_read=0 if is_view else _nbytes(in_tensors) + _nbytes(params),
@@ -323,7 +355,7 @@ class _CostProp(ShapeProp):
             fwd_kernels=m.fwd_kernels, bwd_input_kernels=m.bwd_input_kernels, bwd_weight_kernels=m.bwd_weight_kernels,
             saved_fixed_bytes=saved_fixed, eager_saved_bytes=m.saved_bytes, eager_saved_fixed_bytes=m.saved_fixed_bytes,
             output_fixed_bytes=_nbytes([o for o in outs if o.dtype != ACT_DTYPE]), eager_saved_inputs=eager_inputs,
-            view_of=view_of)
+            view_of=view_of), out)
 
 
 def representative_layer(spec: ModelSpec, kind: LayerKind) -> str:

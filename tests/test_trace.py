@@ -174,3 +174,20 @@ def test_eager_saved_set_and_integer_bytes(tiny, graph):
     assert router.output_fixed_bytes >= SEQ * tiny.top_k * 8
     loss = next(o for o in graph.layer(LayerKind.HEAD).ops if o.op_kind == OpKind.LOSS)
     assert loss.saved_fixed_bytes == loss.saved_bytes >= SEQ * tiny.vocab_size * 4  # fp32 log-probabilities
+
+
+@pytest.mark.parametrize("routing,top_k", [("group_limited", 2), ("moge", 4)])
+def test_router_saves_what_backward_holds_every_time(make_spec, routing, top_k):
+    """The group scores behind a grouped top-k are freed with their branch: the router keeps its fp32 scores
+    (sigmoid output), the chosen indices (for the gather) and the renormalisation's operands, and nothing else —
+    the same bytes on every trace (storage addresses are reused once a branch is freed)."""
+    from moeplan.trace import trace_layer
+
+    spec = make_spec(routing=routing, num_experts=8, top_k=top_k, num_expert_groups=4, topk_groups=2)
+    seen = set()
+    for _ in range(3):
+        trace_layer(spec, LayerKind.DENSE, seq_len=SEQ)  # frees storages between the router traces
+        router = next(o for o in trace_layer(spec, LayerKind.MOE, seq_len=SEQ).ops if o.op_kind == OpKind.ROUTER)
+        seen.add(router.saved_bytes)
+    k, e = spec.top_k, spec.num_experts
+    assert seen == {SEQ * e * 4 + SEQ * k * 8 + SEQ * k * 4 + SEQ * 4}  # scores, indices, gates, their sum
