@@ -47,7 +47,7 @@ _COUNT_FIELDS = frozenset({"name", "num_layers", "num_dense_layers", "num_mtp_la
 _EXPERT_FIELDS = frozenset({"num_experts", "top_k", "moe_ffn_size", "num_shared_experts", "shared_ffn_size",
                             "router", "routing", "num_expert_groups", "topk_groups", "router_scale",
                             "norm_topk_prob", "capacity_factor"})
-_EXPERT_FREE = (LayerKind.EMBEDDING, LayerKind.DENSE, LayerKind.HEAD, LayerKind.EMPTY)
+_EXPERT_FREE = (LayerKind.EMBEDDING, LayerKind.DENSE, LayerKind.HEAD, LayerKind.MTP_HEAD, LayerKind.EMPTY)
 
 
 class Choices(BaseModel):

@@ -57,7 +57,7 @@ from moeplan.passes.plan_memory import MODES, saved_bytes
 from moeplan.passes.schedule import FB_PAIRED, Placement, in_flight_bound, placement_of, schedule_fits, stage_rank
 from moeplan.passes.simulate import adam_s, beside_compute, dp_sync_s, norm_s, recompute_work
 from moeplan.passes.shard import layer_cost
-from moeplan.state import Dispatcher, LayerCost, Mechanism, PlanState, ScheduleKind, Strategy
+from moeplan.state import Dispatcher, LayerCost, LayerProgram, Mechanism, PlanState, ScheduleKind, Strategy
 from moeplan.targets import Target
 
 
@@ -202,36 +202,42 @@ def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Di
     layers of it take on an idle rank less the time one takes, and the first layer's extra (one minus the
     increment) is charged once per pair action (``pair_edge``, of the most common kind). Forwards and backwards
     alone are priced one layer at a time."""
-    settings = beside_compute(target, overlap)
     f = i = w = pair = 0.0
     redo = dict.fromkeys(MODES, 0.0)
     act = dict.fromkeys(MODES, 0.0)
-    busy: dict[str, float] = {}
+    busy = {"intra": 0.0, "inter": 0.0}
     edges: dict[LayerKind, float] = {}
     for kind, n in counts.items():
-        key, (lc, lr, la) = _priced(graph, kind, layout, target, dispatcher, cache)
-        prog = lc.program
-        if ("bwd_busy", key) not in cache:
-            comms = [x.comm for x in prog.bwd_input + prog.bwd_weight if x.comm is not None]
-            cache[("bwd_busy", key)] = {t: sum(c.busy_s(t) for c in comms) for t in ("intra", "inter")}
-        for tier, secs in cache[("bwd_busy", key)].items():
-            busy[tier] = busy.get(tier, 0.0) + n * secs
-        # the prices depend only on the mechanisms the layer's collectives name (async_by) and on fb
-        used = overlap & ({s.async_by for s in prog.fwd + prog.bwd_input} | {"fb"})
-        if (key, used) not in cache:
-            lf, li, lw = (action_time_s([x], settings) for x in (prog.fwd, prog.bwd_input, prog.weight_alone))
-            if "fb" in overlap:
-                one = action_time_s([prog.fwd, prog.backward], settings)
-                two = action_time_s([concat_segments([prog.fwd] * 2), concat_segments([prog.backward] * 2)], settings)
-                cache[(key, used)] = (lf, li, lw, two - one, 2 * one - two)
-            else:  # without fb a pair is its forward, then its backward
-                cache[(key, used)] = (lf, li, lw, lf + li + lw, 0.0)
-        lf, li, lw, lp, edges[kind] = cache[(key, used)]
+        key, priced = _priced(graph, kind, layout, target, dispatcher, cache)
+        if ("kind", key, overlap) not in cache:
+            cache[("kind", key, overlap)] = _kind_prices(key, priced[0].program, target, overlap, cache)
+        lf, li, lw, lp, edges[kind], lbusy = cache[("kind", key, overlap)]
         f, i, w, pair = f + n * lf, i + n * li, w + n * lw, pair + n * lp
+        for tier, secs in lbusy.items():
+            busy[tier] += n * secs
         for m in MODES:
-            redo[m] += n * lr[m]
-            act[m] += n * la[m]
+            redo[m] += n * priced[1][m]
+            act[m] += n * priced[2][m]
     return ModelCost(f, i, w, pair, redo, act, edges[max(counts, key=counts.__getitem__)], busy)
+
+
+def _kind_prices(key: tuple, prog: LayerProgram, target: Target, overlap: frozenset, cache: dict
+                 ) -> tuple[float, float, float, float, float, dict[str, float]]:
+    """One layer's (forward, input gradient, weight gradient, pair increment, pair edge, backward busy seconds per
+    link tier) under ``overlap`` (:func:`model_cost`). The timeline prices depend only on the mechanisms the
+    layer's collectives name (``async_by``) and on fb, so they are kept per those."""
+    used = overlap & ({s.async_by for s in prog.fwd + prog.bwd_input} | {"fb"})
+    if ("timeline", key, used) not in cache:
+        settings = beside_compute(target, overlap)
+        lf, li, lw = (action_time_s([x], settings) for x in (prog.fwd, prog.bwd_input, prog.weight_alone))
+        if "fb" in overlap:
+            one = action_time_s([prog.fwd, prog.backward], settings)
+            two = action_time_s([concat_segments([prog.fwd] * 2), concat_segments([prog.backward] * 2)], settings)
+            cache[("timeline", key, used)] = (lf, li, lw, two - one, 2 * one - two)
+        else:  # without fb a pair is its forward, then its backward
+            cache[("timeline", key, used)] = (lf, li, lw, lf + li + lw, 0.0)
+    comms = [x.comm for x in prog.bwd_input + prog.bwd_weight if x.comm is not None]
+    return (*cache[("timeline", key, used)], {t: sum(c.busy_s(t) for c in comms) for t in ("intra", "inter")})
 
 
 def _priced(graph: ModelGraph, kind: LayerKind, layout: Layout, target: Target, dispatcher: Dispatcher,
@@ -497,7 +503,8 @@ class Options:
 
 def slot_weights(graph: ModelGraph, slots: list[LayerKind]) -> tuple[float, ...]:
     """Forward + backward FLOPs of each slot: what :func:`rank_load` splits."""
-    return tuple(graph.layer(k).fwd_flops + graph.layer(k).bwd_flops for k in slots)
+    per = {k: graph.layer(k).fwd_flops + graph.layer(k).bwd_flops for k in set(slots)}
+    return tuple(per[k] for k in slots)
 
 
 def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed) -> Options:

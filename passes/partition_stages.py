@@ -7,10 +7,13 @@ PP rank ``r`` (Megatron's interleaved placement), or, for the V-shaped schedules
 ``2·pp − 1 − r`` are the two chunks of rank ``r`` (passes/schedule.py). Each piece costs its forward + backward
 time on one micro-batch including its in-layer communication (``shard``'s LayerCost, no recompute yet).
 
-Min-max contiguous partition: the optimum is one of the O(n²) contiguous sums; binary search over them with the
-greedy feasibility test (fill a chunk until the bound would be exceeded) finds it exactly (the linear partition
-problem, Skiena, *The Algorithm Design Manual* §8.5). Chunks left empty by the greedy fill are split off the
-largest chunks, which never raises the maximum.
+Min-max contiguous partition: the optimum is one of the O(n²) contiguous sums, and the greedy fill (fill a chunk
+until the bound would be exceeded) tells whether a bound is feasible (the linear partition problem, Skiena, *The
+Algorithm Design Manual* §8.5). The search bisects between a lower bound and a feasible sum, and snaps both ends to
+contiguous sums without listing them: a feasible fill's largest run is a sum no larger than the probe, and an
+infeasible fill names the least bound at which any of its runs would take one more piece (below it every fill is
+the same). Each fill finds its run ends by binary search on prefix sums, O(chunks · log n). Chunks left empty by
+the greedy fill are split off the largest chunks, which never raises the maximum.
 
 V placement (ZB-V, DualPipeV) puts both ends of the pipeline on rank 0 — the embedding's stage and the head's — and
 stage ``r`` with stage ``2·pp − 1 − r`` on rank ``r``, so the min-max split can leave one rank with two heavy
@@ -29,10 +32,12 @@ uneven chunks), and the reason says which and what equal counts would cost.
 """
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import ClassVar, Literal, Sequence
+
+import numpy as np
 
 from moeplan.cost_models.timeline import RunSettings, action_time_s
 from moeplan.errors import LayoutError
@@ -74,26 +79,35 @@ def min_max_partition(times: list[float], num_chunks: int, *, slots: list[int] |
     n = len(times)
     if n < num_chunks:
         raise LayoutError(f"chunks={num_chunks}: more pipeline chunks than the {n} layers to place")
-    slots = slots or [0] * n
     cap = capacity if capacity is not None else n
-    if max(slots) > cap or sum(slots) > cap * num_chunks:
+    if slots is not None and (max(slots) > cap or sum(slots) > cap * num_chunks):
         return None
     prefix = [0.0, *accumulate(times)]
-    bounds = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
-    lo = bisect_left(bounds, max(max(times), prefix[-1] / num_chunks) - 1e-12)
-    hi = len(bounds) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(_greedy(times, slots, bounds[mid], cap)) <= num_chunks:
-            hi = mid
-        else:
-            lo = mid + 1
-    runs = _greedy(times, slots, bounds[lo], cap)
+    slot_prefix = [0, *accumulate(slots)] if slots is not None and capacity is not None else None
+    runs, worst, _ = _greedy(prefix, slot_prefix, float("inf"), cap)
     if len(runs) > num_chunks:
         return None
-    while len(runs) < num_chunks:  # split the run with the largest sum among those of length > 1
-        k = max((i for i, r in enumerate(runs) if r > 1), key=lambda i: sum(times[sum(runs[:i]):sum(runs[:i + 1])]))
+    lo, hi = max(max(times), prefix[-1] / num_chunks), worst  # the optimum lies in [lo, hi]; hi is feasible
+    probe = lo
+    while lo < hi:
+        got, worst, above = _greedy(prefix, slot_prefix, probe, cap)
+        if len(got) > num_chunks:
+            lo = above  # every bound below ``above`` fills the same (too many) runs
+        elif worst < hi:
+            hi = worst  # feasible, and its largest run is a contiguous sum <= probe
+        else:
+            break
+        probe = (lo + hi) / 2
+    runs, _, _ = _greedy(prefix, slot_prefix, hi, cap)
+    # split one piece off the run with the largest sum among those of length > 1 (the first such), until every
+    # chunk has a run; ``split`` holds each run's sum, -1 for a single piece
+    ends = list(accumulate(runs))
+    split = [sum(times[e - r:e]) if r > 1 else -1.0 for r, e in zip(runs, ends)]
+    while len(runs) < num_chunks:
+        k = split.index(max(split))
         runs[k:k + 1] = [runs[k] - 1, 1]
+        ends[k:k + 1] = [ends[k] - 1, ends[k]]
+        split[k:k + 1] = [sum(times[ends[k] - runs[k]:ends[k]]) if runs[k] > 1 else -1.0, -1.0]
     return runs
 
 
@@ -106,59 +120,67 @@ def balance_ranks(times: Sequence[float], runs: Sequence[int], *, pp: int, place
     total, take the one with the least (busiest rank, slowest stage, sum of squared rank totals); repeat until none
     does. Deterministic; at most ``len(times)·len(runs)`` moves."""
     n, k = len(times), len(runs)
-    prefix = [0.0, *accumulate(times)]
-    sl = [0, *accumulate(slots)] if slots is not None else None
-    owner = [stage_rank(s, pp=pp, placement=placement) for s in range(k)]
-    bounds = [0, *accumulate(runs)]
+    prefix = np.concatenate(([0.0], np.cumsum(times)))
+    slot_prefix = np.concatenate(([0], np.cumsum(slots))) if slots is not None and capacity is not None else None
+    owner = np.zeros((k, pp))
+    owner[np.arange(k), [stage_rank(s, pp=pp, placement=placement) for s in range(k)]] = 1.0
+    bounds = np.concatenate(([0], np.cumsum(runs)))
+    j = np.arange(k + 1)
 
-    def key(b: list[int]) -> tuple[float, float, float]:
-        stage = [prefix[b[s + 1]] - prefix[b[s]] for s in range(k)]
-        rank = [0.0] * pp
-        for s, t in enumerate(stage):
-            rank[owner[s]] += t
-        return (round(max(rank), 12), round(max(stage), 12), round(sum(x * x for x in rank), 12))
+    def keys(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        stage = prefix[b[:, 1:]] - prefix[b[:, :-1]]
+        rank = stage @ owner
+        return rank.max(axis=1).round(12), stage.max(axis=1).round(12), (rank * rank).sum(axis=1).round(12)
 
-    def valid(b: list[int], lo: int, hi: int) -> bool:
-        return all(b[s + 1] > b[s] and (sl is None or capacity is None or sl[b[s + 1]] - sl[b[s]] <= capacity)
-                   for s in range(lo, hi + 1))
-
-    best = key(bounds)
+    best = keys(bounds[None])[0][0]
     for _ in range(n * k):
-        rank_t = [0.0] * pp
-        for s in range(k):
-            rank_t[owner[s]] += prefix[bounds[s + 1]] - prefix[bounds[s]]
-        busiest = max(range(pp), key=lambda r: rank_t[r])
-        move = None
-        for src in (s for s in range(k) if owner[s] == busiest):
-            for dst in range(k):
-                if dst == src:
-                    continue
-                b = bounds[:]
-                lo, hi = min(src, dst), max(src, dst)
-                for j in range(lo + 1, hi + 1):  # the boundaries between src and dst shift one piece toward dst
-                    b[j] += -1 if dst > src else 1
-                if not valid(b, lo, hi):
-                    continue
-                cand = key(b)
-                if cand[0] < best[0] and (move is None or cand < move[0]):
-                    move = (cand, b)
-        if move is None:
+        rank_t = (prefix[bounds[1:]] - prefix[bounds[:-1]]) @ owner
+        srcs = np.flatnonzero(owner[:, int(rank_t.argmax())])
+        # every (src, dst) move, src ascending then dst ascending: the boundaries between them shift one piece
+        src = np.repeat(srcs, k - 1)
+        dst = np.concatenate([np.delete(np.arange(k), s) for s in srcs])
+        lo, hi = np.minimum(src, dst)[:, None], np.maximum(src, dst)[:, None]
+        between = (j > lo) & (j <= hi)
+        cand = bounds + np.where(dst > src, -1, 1)[:, None] * between
+        ok = (np.diff(cand, axis=1) > 0).all(axis=1)
+        if slot_prefix is not None:
+            ok &= ((slot_prefix[cand[:, 1:]] - slot_prefix[cand[:, :-1]]) <= capacity).all(axis=1)
+        busiest, slowest, spread = keys(cand)
+        ok &= busiest < best
+        if not ok.any():
             break
-        best, bounds = move
-    return [bounds[s + 1] - bounds[s] for s in range(k)]
+        pick = np.flatnonzero(ok)[np.lexsort((spread[ok], slowest[ok], busiest[ok]))[0]]
+        best, bounds = busiest[pick], cand[pick]
+    return np.diff(bounds).tolist()
 
 
-def _greedy(times: list[float], slots: list[int], bound: float, capacity: int) -> list[int]:
-    runs, acc, used, count = [], 0.0, 0, 0
-    for t, sl in zip(times, slots):
-        if count and (acc + t > bound * (1 + 1e-12) or used + sl > capacity):
-            runs.append(count)
-            acc, used, count = 0.0, 0, 0
-        acc += t
-        used += sl
-        count += 1
-    runs.append(count)
-    return runs
+def _greedy(prefix: list[float], slot_prefix: list[int] | None, bound: float, capacity: int
+            ) -> tuple[list[int], float, float]:
+    """Fill runs in order, each as long as its sum stays within ``bound`` and its slots within ``capacity`` (a
+    run holds at least one piece; ``slot_prefix`` None: no capacity). Returns (run lengths, the largest run's
+    sum, the least bound above ``bound`` at which some run would take one more piece: inf when only the capacity
+    stops them)."""
+    n = len(prefix) - 1
+    runs, worst, above, start = [], 0.0, float("inf"), 0
+    limit = bound * (1 + 1e-12)
+    while start < n:
+        base = prefix[start]
+        end = bisect_right(prefix, base + limit, start + 1) - 1
+        if end == start:
+            end += 1
+        if slot_prefix is not None:
+            by_slots = bisect_right(slot_prefix, slot_prefix[start] + capacity, start + 1) - 1
+            if by_slots <= end:
+                end = by_slots
+            elif end < n:
+                above = min(above, prefix[end + 1] - base)
+        elif end < n and prefix[end + 1] - base < above:
+            above = prefix[end + 1] - base
+        if prefix[end] - base > worst:
+            worst = prefix[end] - base
+        runs.append(end - start)
+        start = end
+    return runs, worst, above
 
 
 @dataclass(frozen=True)

@@ -60,3 +60,42 @@ def test_capacity_partition_is_optimal(seed):
     starts = [sum(runs[:i]) for i in range(k)]
     assert all(sum(slots[s:s + r]) <= cap for s, r in zip(starts, runs))
     assert max(sum(times[s:s + r]) for s, r in zip(starts, runs)) == pytest.approx(expect)
+
+
+def dp_optimum(times, slots, k, cap):
+    """The min-max over ``k`` non-empty contiguous runs of at most ``cap`` slots, by dynamic programming."""
+    n, inf = len(times), float("inf")
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for c in range(1, k + 1):
+        for j in range(1, n + 1):
+            for i in range(c - 1, j):
+                if sum(slots[i:j]) <= cap:
+                    best[c][j] = min(best[c][j], max(best[c - 1][i], prefix[j] - prefix[i]))
+    return best[k][n]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_partition_matches_dynamic_programming_on_layer_like_pieces(seed):
+    """Pipelines as the pass sees them (an embedding, many equal or near-equal layers, zero-cost pieces, a head),
+    sizes brute force cannot reach: the bisection over contiguous sums must land on the optimum."""
+    rng = random.Random(500 + seed)
+    n = rng.randint(8, 40)
+    k = rng.randint(1, min(n, 16))
+    layer = rng.uniform(0.5, 2.0)
+    times = [rng.uniform(0.1, 3.0)] + [rng.choice([layer, layer, 0.0, rng.uniform(0.1, 2.0)])
+                                       for _ in range(n - 2)] + [rng.uniform(0.1, 3.0)]
+    slots = [0] + [1] * (n - 2) + [0]
+    for cap in (None, -(-sum(slots) // k), -(-sum(slots) // k) + 1):
+        runs = min_max_partition(times, k, slots=None if cap is None else slots, capacity=cap)
+        expect = dp_optimum(times, slots, k, cap if cap is not None else n)
+        if expect == float("inf"):
+            assert runs is None
+            continue
+        assert len(runs) == k and min(runs) >= 1 and sum(runs) == n
+        starts = [sum(runs[:i]) for i in range(k)]
+        assert all(cap is None or sum(slots[s:s + r]) <= cap for s, r in zip(starts, runs))
+        assert max(sum(times[s:s + r]) for s, r in zip(starts, runs)) == pytest.approx(expect, rel=1e-12)
