@@ -198,9 +198,10 @@ def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Di
     one with them.
 
     A stage runs its layers back to back, and across an ``fb`` pair the timeline overlaps one layer's collectives
-    with the next layer's compute. So under ``fb`` a kind's pair is priced as its steady increment, the time two
-    layers of it take on an idle rank less the time one takes, and the first layer's extra (one minus the
-    increment) is charged once per pair action (``pair_edge``, of the most common kind). Forwards and backwards
+    with the next layer's compute. So under ``fb`` a kind's pair is priced as its steady increment, half what two
+    more layers add to a pair of two on an idle rank (past the first layer's transient), and the first layer's
+    extra (two layers less twice the increment) is charged once per pair action (``pair_edge``, of the most
+    common kind). Forwards and backwards
     alone are priced one layer at a time."""
     f = i = w = pair = 0.0
     redo = dict.fromkeys(MODES, 0.0)
@@ -230,10 +231,11 @@ def _kind_prices(key: tuple, prog: LayerProgram, target: Target, overlap: frozen
     if ("timeline", key, used) not in cache:
         settings = beside_compute(target, overlap)
         lf, li, lw = (action_time_s([x], settings) for x in (prog.fwd, prog.bwd_input, prog.weight_alone))
-        if "fb" in overlap:
-            one = action_time_s([prog.fwd, prog.backward], settings)
-            two = action_time_s([concat_segments([prog.fwd] * 2), concat_segments([prog.backward] * 2)], settings)
-            cache[("timeline", key, used)] = (lf, li, lw, two - one, 2 * one - two)
+        if "fb" in overlap:  # t(n): a pair of n layers; the increment from 2 to 4 layers, past the first's transient
+            two, four = (action_time_s([concat_segments([prog.fwd] * n), concat_segments([prog.backward] * n)],
+                                       settings) for n in (2, 4))
+            step = (four - two) / 2
+            cache[("timeline", key, used)] = (lf, li, lw, step, two - 2 * step)
         else:  # without fb a pair is its forward, then its backward
             cache[("timeline", key, used)] = (lf, li, lw, lf + li + lw, 0.0)
     comms = [x.comm for x in prog.bwd_input + prog.bwd_weight if x.comm is not None]
