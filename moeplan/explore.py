@@ -8,7 +8,7 @@ must meet. Every combination is built and checked as a :class:`~moeplan.spec.Mod
    three representatives: the base model and the smallest and largest architectures by total parameters. The best
    ``screen_layouts`` (layout, strategy) options of each, together, are the shortlist.
 2. **Screen.** Each architecture gets the best estimate over the shortlist options valid for it
-   (:func:`~moeplan.search.estimate_step`; a layer kind is traced once per set of the fields it depends on and its
+   (:func:`~moeplan.estimate.estimate_step`; a layer kind is traced once per set of the fields it depends on and its
    prices are reused by every architecture that differs only in layer counts). What an architecture gets here is
    the screen's figure; a layout outside the shortlist is never considered for it.
 3. **Verify.** The ``verify`` best by screened tokens/s are compiled with the full pipeline and the default layout
@@ -323,7 +323,8 @@ def _screen_group(task: tuple[list[tuple[int, ModelSpec]], list[tuple[Layout, St
                   ) -> list[Screened]:
     """Screen architectures of one signature (module docstring, step 2)."""
     from moeplan.passes.partition_stages import SLOT_KINDS
-    from moeplan.search import _shape_key, check, estimate_step, model_cost, slot_weights, stage_params, static_bytes
+    from moeplan.estimate import estimate_step, model_cost, slot_weights, stage_params, static_bytes
+    from moeplan.search import _shape_key, check
 
     group, shortlist, target, num_devices = task
     cache: dict = {}  # prices of this signature's layers, shared by its architectures

@@ -102,7 +102,7 @@ def test_estimate_drain_windows_and_exposed_reduce_scatter():
     """The DP term of the layout estimate (docs/step-model.md §4): with the loop placement the j-th last chunk's
     reduce-scatter has j·pp chunk backwards to hide in, with the V placement j; what runs past the last backward
     is exposed, the reduce-scatters one after the other."""
-    from moeplan.search import drain_windows, exposed_reduce_scatter_s
+    from moeplan.estimate import drain_windows, exposed_reduce_scatter_s
 
     assert drain_windows("interleaved", pp=4, vpp=3, chunk_backward_s=0.5) == [0.0, 2.0, 4.0]
     assert drain_windows("zero-bubble", pp=4, vpp=2, chunk_backward_s=0.5) == [0.0, 2.0]
@@ -121,7 +121,7 @@ def test_estimate_rank_load_follows_the_partition_pass():
     of 1.139 layers) on pp 2 × vpp 2: the pass keeps 20 layers per chunk (its slowest chunk is within 1% of the free
     split's), which leaves the busiest rank 1.4% over the mean; the free min-max split alone gives 3.5%."""
     from moeplan.passes.partition_stages import split_runs
-    from moeplan.search import rank_load
+    from moeplan.estimate import rank_load
 
     times = (0.0,) + (1.0,) * 80 + (1.139,)
     slots = (0,) + (1,) * 80 + (0,)

@@ -19,7 +19,8 @@ from moeplan.errors import SpecError
 from moeplan.flops import count_params
 from moeplan.ir import named_layers
 from moeplan.passes.partition_stages import SLOT_KINDS
-from moeplan.search import check, estimate_step, model_cost, slot_weights, stage_params
+from moeplan.estimate import estimate_step, model_cost, slot_weights, stage_params
+from moeplan.search import check
 from moeplan.spec import load_spec
 from moeplan.targets import load_target
 
