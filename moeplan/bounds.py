@@ -22,7 +22,8 @@ what it did not simulate. Every term is something the timeline (cost_models/time
 - **DP and optimizer.** Without ``dp`` overlap the rank's DP collectives run after its last backward, and every
   rank ends with its optimizer step (:func:`~moeplan.passes.simulate.optimizer_s`).
 
-Recompute adds forward work to the backward; :func:`plan_bound` counts the mode the memory plan chose per rank,
+Recompute adds forward work to the backward; :func:`plan_bound` counts the whole-layer mode the memory plan chose
+per rank (none for a per-tensor mode: recompute and swap only add time, so the bound stays one),
 :func:`layout_bound` (before any plan exists) counts none. Without the stage split, :func:`layout_bound` bounds the
 stages below rank ``r`` by the first ``s_min(r)`` pieces (each stage holds at least one) and spreads the work over
 the ranks by water-filling: ``max_r (c_r + w_r)`` over any split ``Σ w_r = W`` is at least the level ``L`` with
@@ -151,13 +152,13 @@ def plan_bound(state: PlanState) -> float:
         r = stage_rank(s, pp=pp, placement=placement)
         fl = [per_kind[kind_of(spec, n)] for n in state.stages.stage_layers(s)]
         stage_f.append(sum(f.fwd for f in fl))
-        stage_d.append(sum(_drain(f, mode[r], split) for f in fl))
+        stage_d.append(sum(_drain(f, mode[r] if mode[r] in MODES else "none", split) for f in fl))
     overlap_dp = "dp" in strategy.overlap
     opt = [optimizer_s(state, r) for r in range(pp)]
     best = 0.0
     for r in range(pp):
         fl = [per_kind[kind_of(spec, n)] for chunk in state.stages.chunks[r] for n in chunk]
-        fi = sum(f.fwd + f.bwd_input + f.redo[mode[r]] + (0.0 if split else f.bwd_weight) for f in fl)
+        fi = sum(f.fwd + f.bwd_input + f.redo.get(mode[r], 0.0) + (0.0 if split else f.bwd_weight) for f in fl)
         weight = sum(f.bwd_weight for f in fl) if split else 0.0
         head, tail = sum(stage_f[:r]), sum(stage_d[:r])
         dp = dp_collectives(state, r)

@@ -33,7 +33,8 @@ def strategy_options(*, schedule: str, dispatcher: str, overlap: str, recompute:
     search). Raises LayoutError naming the flag, the value and the choices."""
     from moeplan.names import DISPATCHERS, MECHANISMS, SCHEDULES
 
-    out: dict = {"recompute": _choice("recompute", recompute, ("auto", "none", "selective", "full"))}
+    out: dict = {"recompute": _choice("recompute", recompute, ("auto", "none", "selective", "full", "mindspeed",
+                                                               "ilp-no-swap", "ilp"))}
     if schedule != "auto":
         out["schedule"] = _choice("schedule", schedule, SCHEDULES + ("auto",))
     if dispatcher != "auto":
@@ -76,7 +77,11 @@ def compile_cmd(
     dispatcher: str = typer.Option("auto", "--dispatcher", help="EP token dispatcher: flat|hierarchical|dedup|auto"),
     overlap: str = typer.Option("auto", "--overlap",
                                 help="comma list of shared-expert,fb,dp,pp, or none, all, auto"),
-    recompute: str = typer.Option("auto", "--recompute", help="none|selective|full|auto (per PP rank)"),
+    recompute: str = typer.Option("auto", "--recompute",
+                                  help="auto|none|selective|full (whole layers; auto: per PP rank) or "
+                                       "mindspeed|ilp-no-swap|ilp (per saved tensor)"),
+    memory_budget: Optional[float] = typer.Option(None, "--memory-budget",
+                                                  help="GiB per device the plan may use (plan-memory{budget_gib=})"),
     training_dtype: Optional[str] = typer.Option(None, "--training-dtype",
                                                  help="bf16|fp16|fp32|fp8 (fp8: GEMMs; overrides the target)"),
     pipeline: Optional[str] = typer.Option(None, "--pipeline", help="comma-separated pass names"),
@@ -90,7 +95,7 @@ def compile_cmd(
 ) -> None:
     """Compile MODEL for DEVICES devices of TARGET into a plan."""
     from moeplan.compile import compile_model
-    from moeplan.compiler import DEFAULT_PIPELINE
+    from moeplan.compiler import DEFAULT_PIPELINE, with_option
     from moeplan.plan import save_plan
     from moeplan.render import layout_dict, predicted_dict, render_plan, render_search, search_dict, search_summary
     from moeplan.search import Fixed
@@ -108,8 +113,13 @@ def compile_cmd(
     fixed = Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
                   cp=cp, micro_batch=micro_batch, **strategy_options(schedule=schedule, dispatcher=dispatcher,
                                                                      overlap=overlap, recompute=recompute))
+    pipeline = pipeline or DEFAULT_PIPELINE
+    if memory_budget is not None:
+        if not memory_budget > 0:
+            raise LayoutError(f"memory_budget={memory_budget}: must be a positive number of GiB")
+        pipeline = with_option(pipeline, "plan-memory", "budget_gib", memory_budget)
     res = compile_model(spec=spec, target=tgt, num_devices=devices, fixed=fixed,
-                        pipeline=pipeline or DEFAULT_PIPELINE, candidates=None if exact else max(candidates, top),
+                        pipeline=pipeline, candidates=None if exact else max(candidates, top),
                         keep=top)
     if output:
         save_plan(res.plan, output)

@@ -14,12 +14,12 @@ from moeplan.layout import Layout
 from moeplan.passes.shard import ShardPass
 from moeplan.passes.simulate import SimulatePass
 from moeplan.plan import (SCHEMA_VERSION, Plan, PlanCollective, PlanComm, PlanCommClass, PlanExperts, PlanLayerCost,
-                          PlanLayout, PlanMemory, PlanModel, PlanPrediction, PlanProvenance, PlanRankMemory,
-                          PlanSchedule, PlanSharding, PlanStages)
+                          PlanLayerDecisions, PlanLayout, PlanMemory, PlanModel, PlanOpDecision, PlanPrediction,
+                          PlanProvenance, PlanRankMemory, PlanSchedule, PlanSharding, PlanStages)
 from moeplan.search import Evaluated, Fixed, SearchResult, search
 from moeplan.spec import ModelSpec
-from moeplan.state import (MECHANISMS, CommOp, ExpertPlacement, MemoryPlan, PlanState, Schedule, StageMemory,
-                           StagePlan, Strategy)
+from moeplan.state import (MECHANISMS, CommOp, ExpertPlacement, GroupChoice, MemoryPlan, OpDecision, PlanState,
+                           Schedule, StageMemory, StagePlan, Strategy)
 from moeplan.targets import Target
 from moeplan.trace import trace_model
 
@@ -57,6 +57,20 @@ def _collective(c: CommOp) -> PlanCollective:
                           wire_inter_bytes=c.wire_inter_bytes)
 
 
+def _plan_decisions(d: GroupChoice) -> PlanLayerDecisions:
+    return PlanLayerDecisions(chunk=d.chunk, kind=d.kind, recomputed=list(d.rerun), swapped=list(d.swapped),
+                              kept_bytes=d.kept_bytes, swapped_bytes=d.swapped_bytes, recompute_s=d.recompute_s,
+                              remade_bytes=d.remade_bytes, recompute_flops=d.recompute_flops,
+                              ops=[PlanOpDecision(op=o.op, label=o.label, decision=o.decision,
+                                                  saved_bytes=o.saved_bytes, flag=o.flag) for o in d.ops])
+
+
+def _state_decisions(d: PlanLayerDecisions) -> GroupChoice:
+    return GroupChoice(d.chunk, d.kind, tuple(d.recomputed), tuple(d.swapped), d.kept_bytes, d.swapped_bytes,
+                       d.recompute_s, d.remade_bytes, d.recompute_flops,
+                       tuple(OpDecision(o.op, o.label, o.decision, o.saved_bytes, o.flag) for o in d.ops))
+
+
 def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: float = 0.0) -> Plan:
     """Build the Plan of a fully compiled state."""
     st = ev.state
@@ -84,7 +98,10 @@ def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: 
             PlanRankMemory(pp_rank=m.pp_rank, recompute=m.recompute, params_bytes=m.params_bytes,
                            grads_bytes=m.grads_bytes, optimizer_bytes=m.optimizer_bytes,
                            activation_bytes=m.activation_bytes, workspace_bytes=m.workspace_bytes,
-                           total_bytes=m.total_bytes, in_flight_microbatches=m.in_flight_microbatches)
+                           total_bytes=m.total_bytes, in_flight_microbatches=m.in_flight_microbatches,
+                           decisions=[_plan_decisions(d) for d in m.decisions],
+                           exposed_swap_s=[list(x) for x in m.exposed_swap_s], solve_status=m.solve_status,
+                           solve_gap=m.solve_gap, solve_reason=m.solve_reason)
             for m in st.memory.stages]),
         schedule=PlanSchedule(kind=st.schedule.kind, actions=[list(a) for a in st.schedule.actions]),
         comm=PlanComm(dispatcher=st.strategy.dispatcher,
@@ -124,7 +141,10 @@ def state_from_plan(plan: Plan) -> PlanState:
         StageMemory(pp_rank=m.pp_rank, recompute=m.recompute, params_bytes=m.params_bytes,
                     grads_bytes=m.grads_bytes, optimizer_bytes=m.optimizer_bytes,
                     activation_bytes=m.activation_bytes, workspace_bytes=m.workspace_bytes,
-                    in_flight_microbatches=m.in_flight_microbatches) for m in plan.memory.ranks))
+                    in_flight_microbatches=m.in_flight_microbatches,
+                    decisions=tuple(_state_decisions(d) for d in m.decisions),
+                    exposed_swap_s=tuple((x[0], x[1]) for x in m.exposed_swap_s), solve_status=m.solve_status,
+                    solve_gap=m.solve_gap, solve_reason=m.solve_reason) for m in plan.memory.ranks))
     return state.with_(stages=stages, memory=memory,
                        experts=ExpertPlacement(shards=tuple(tuple(s) for s in plan.experts.shards),
                                                groups_aligned=plan.experts.groups_aligned),

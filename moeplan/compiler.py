@@ -71,6 +71,25 @@ def parse_pipeline(text: str) -> tuple[Pass, ...]:
     return tuple(passes)
 
 
+def with_option(pipeline: str, pass_name: str, key: str, value: object) -> str:
+    """``pipeline`` with option ``key=value`` set on pass ``pass_name`` (how CLI flags become pass options: a
+    later option overrides an earlier one). Raises PlanError when the pipeline has no such pass."""
+    out, found, pos, text = [], False, 0, pipeline.strip()
+    while pos < len(text):
+        m = _ITEM.match(text, pos)
+        if m is None or m.end() == pos:
+            raise PlanError(f"pipeline={text!r}: expected 'name' or 'name{{option=value,...}}' at position {pos}")
+        pos = m.end()
+        name, opts = m.group(1), m.group(2)
+        if name == pass_name:
+            found = True
+            opts = f"{opts},{key}={value}" if opts and opts.strip() else f"{key}={value}"
+        out.append(f"{name}{{{opts}}}" if opts else name)
+    if not found:
+        raise PlanError(f"pipeline={pipeline!r}: has no {pass_name} pass to set {key} on")
+    return ",".join(out)
+
+
 def _options(cls: type, text: str) -> dict:
     """``k=v`` pairs of one pass, converted to its fields' types (bool, int, float, str or a Literal of them)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}

@@ -175,7 +175,9 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
     chunks = pp * vpp
     fb = "fb" in strategy.overlap
     held = in_flight_bound(strategy.schedule, pp=pp, vpp=vpp, num_microbatches=m, fb=fb)
-    modes = MODES if strategy.recompute == "auto" else (strategy.recompute,)
+    # per-tensor modes are estimated by the whole-layer modes they can always match (passes/plan_memory.py)
+    modes = {"auto": MODES, "ilp": MODES, "ilp-no-swap": MODES, "mindspeed": ("selective",)}.get(
+        strategy.recompute, (strategy.recompute,))
     fits = False
     for mode in modes:
         memory = static + held * cost.act_bytes[mode] / chunks

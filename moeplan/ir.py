@@ -73,7 +73,8 @@ class OpAnnotation:
     probabilities, upcast to fp32 — ``eager_saved_fixed_bytes`` is that set's part outside bf16; None: same as
     ``saved_bytes``); an eager runtime keeps these, and the outputs of ``eager_saved_inputs`` (None: same as
     ``saved_inputs``). ``view_of``: for a view (an output sharing an input's storage: split, getitem, transpose,
-    reshape), the producer of that input; a saved view keeps its base's whole storage alive.
+    reshape), the producer of that input; a saved view keeps its base's whole storage alive. ``inputs``: the nodes
+    whose outputs it reads (producers and placeholders, in argument order): what re-running it needs.
     """
 
     name: str
@@ -101,6 +102,7 @@ class OpAnnotation:
     output_fixed_bytes: int = 0
     eager_saved_inputs: tuple[str, ...] | None = None
     view_of: str | None = None
+    inputs: tuple[str, ...] = ()
 
     @property
     def unit(self) -> str:

@@ -102,9 +102,36 @@ class PlanExperts(_Frozen):
     groups_aligned: bool
 
 
+class PlanOpDecision(_Frozen):
+    """One op's decision: ``recompute`` or ``swap``, the bytes per layer and micro-batch it frees on the device,
+    and the Megatron-LM / MindSpeed-LLM flag that expresses it (null: none does)."""
+
+    op: str
+    label: str
+    decision: Literal["recompute", "swap"]
+    saved_bytes: int
+    flag: str | None = None
+
+
+class PlanLayerDecisions(_Frozen):
+    """A per-tensor mode's decision for the layers of one kind in one VPP chunk (bytes per layer and
+    micro-batch; seconds per layer and micro-batch): ops re-run in backward, storages swapped to host."""
+
+    chunk: int
+    kind: str
+    recomputed: list[str]
+    swapped: list[str]
+    kept_bytes: int
+    swapped_bytes: int
+    recompute_s: float
+    remade_bytes: int
+    recompute_flops: float
+    ops: list[PlanOpDecision]
+
+
 class PlanRankMemory(_Frozen):
     pp_rank: int
-    recompute: Literal["none", "selective", "full"]
+    recompute: Literal["none", "selective", "full", "mindspeed", "ilp-no-swap", "ilp"]
     params_bytes: float
     grads_bytes: float
     optimizer_bytes: float
@@ -112,11 +139,16 @@ class PlanRankMemory(_Frozen):
     workspace_bytes: float
     total_bytes: float
     in_flight_microbatches: int
+    decisions: list[PlanLayerDecisions] = []  # per-tensor modes only
+    exposed_swap_s: list[list[float]] = []  # per chunk: (copy out, prefetch) seconds per micro-batch not hidden
+    solve_status: str = ""  # optimal | heuristic | infeasible (moeplan/memory_ilp.py); "" for whole-layer modes
+    solve_gap: float = 0.0  # relative optimality gap of the solve; -1 when unknown (heuristic)
+    solve_reason: str = ""
 
 
 class PlanMemory(_Frozen):
     budget_bytes: float
-    recompute: Literal["auto", "none", "selective", "full"] = "auto"  # what was asked (``--recompute``)
+    recompute: Literal["auto", "none", "selective", "full", "mindspeed", "ilp-no-swap", "ilp"] = "auto"  # asked
     ranks: list[PlanRankMemory]
 
 

@@ -14,7 +14,9 @@ from moeplan.names import DISPATCHERS, MECHANISMS, SCHEDULES, Dispatcher, Mechan
 from moeplan.targets import Target
 
 CommClass = Literal["tp", "ep", "cp", "dp", "pp"]
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "full", "mindspeed", "ilp-no-swap", "ilp"]
+OP_MODES: tuple[str, ...] = ("mindspeed", "ilp-no-swap", "ilp")
+"""Recompute modes decided per saved tensor (passes/plan_memory.py) rather than per layer."""
 Tier = Literal["intra", "inter"]
 COMM_CLASSES: tuple[CommClass, ...] = ("tp", "ep", "cp", "pp", "dp")
 
@@ -37,7 +39,7 @@ class Strategy:
     schedule: ScheduleKind = "1f1b"
     dispatcher: Dispatcher = "flat"
     overlap: frozenset[Mechanism] = frozenset()
-    recompute: Literal["auto", "none", "selective", "full"] = "auto"
+    recompute: Literal["auto", "none", "selective", "full", "mindspeed", "ilp-no-swap", "ilp"] = "auto"
 
     def short(self) -> str:
         on = ",".join(m for m in MECHANISMS if m in self.overlap) or "none"
@@ -224,8 +226,41 @@ class ExpertPlacement:
 
 
 @dataclass(frozen=True)
+class OpDecision:
+    """One op's decision in a :class:`GroupChoice`: ``recompute`` (re-run in backward) or ``swap`` (its saved
+    storages to host), the bytes per layer and micro-batch it no longer keeps on the device, and the Megatron-LM /
+    MindSpeed-LLM flag that expresses it (None: neither runtime has one)."""
+
+    op: str
+    label: str
+    decision: Literal["recompute", "swap"]
+    saved_bytes: int
+    flag: str | None
+
+
+@dataclass(frozen=True)
+class GroupChoice:
+    """The decision of one group: the ops re-run in backward and the storages swapped (the rest of the needed ones
+    are kept), per layer: bytes kept, bytes swapped, seconds re-run, bytes re-made in backward."""
+
+    chunk: int
+    kind: str
+    rerun: tuple[str, ...]
+    swapped: tuple[str, ...]
+    kept_bytes: int
+    swapped_bytes: int
+    recompute_s: float
+    remade_bytes: int
+    recompute_flops: float = 0.0
+    ops: tuple[OpDecision, ...] = ()
+
+
+@dataclass(frozen=True)
 class StageMemory:
-    """Memory on one device of a PP rank, bytes, under the chosen recompute mode."""
+    """Memory on one device of a PP rank, bytes, under the chosen recompute mode. Under a per-tensor mode
+    (OP_MODES): ``decisions`` per (VPP chunk, layer kind), the swap seconds per micro-batch the host link does not
+    hide per chunk (out, in), and the solver's status, optimality gap and reason (moeplan/memory_ilp.py);
+    ``activation_bytes`` then includes the recompute working set and the swap buffers."""
 
     pp_rank: int
     recompute: Recompute
@@ -235,6 +270,11 @@ class StageMemory:
     activation_bytes: float
     workspace_bytes: float
     in_flight_microbatches: int
+    decisions: tuple[GroupChoice, ...] = ()
+    exposed_swap_s: tuple[tuple[float, float], ...] = ()
+    solve_status: str = ""
+    solve_gap: float = 0.0
+    solve_reason: str = ""
 
     @property
     def total_bytes(self) -> float:

@@ -355,7 +355,7 @@ class _CostProp(ShapeProp):
             fwd_kernels=m.fwd_kernels, bwd_input_kernels=m.bwd_input_kernels, bwd_weight_kernels=m.bwd_weight_kernels,
             saved_fixed_bytes=saved_fixed, eager_saved_bytes=m.saved_bytes, eager_saved_fixed_bytes=m.saved_fixed_bytes,
             output_fixed_bytes=_nbytes([o for o in outs if o.dtype != ACT_DTYPE]), eager_saved_inputs=eager_inputs,
-            view_of=view_of), out)
+            view_of=view_of, inputs=tuple(a.name for a in n.all_input_nodes)), out)
 
 
 def representative_layer(spec: ModelSpec, kind: LayerKind) -> str:

@@ -108,15 +108,10 @@ def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Targe
     fwd = dx = dw = sel_s = 0.0
     flops = fwd_flops = sel_flops = 0.0
     workspace = 0
-    times: dict[str, tuple[float, float, float]] = {}
-    memo = {} if op_times is None else op_times
+    times = op_times_s(lg, layout=layout, target=target, memo=op_times)
     for op in lg.ops:
         s = op_scale(op, layout)
-        ws, mnk = weight_scale(op, layout), gemm_shape(op, layout)
-        key = (lg.kind, op.name, s, ws, mnk)
-        if key not in memo:
-            memo[key] = annotation_time_s(op, scale=s, target=target, weight_scale=ws, mnk=mnk)
-        f, i, w = times[op.name] = memo[key]
+        f, i, w = times[op.name]
         fwd, dx, dw = fwd + f, dx + i, dw + w
         flops += s * (op.fwd_flops + op.bwd_input_flops + op.bwd_weight_flops)
         fwd_flops += s * op.fwd_flops
@@ -142,6 +137,22 @@ def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Targe
                              / (layout.cp * _sp(layout))) if lg.ops else 0,
         recompute_selective_s=sel_s, recompute_full_s=fwd, executed_flops=flops,
         recompute_selective_flops=sel_flops, recompute_full_flops=fwd_flops, workspace_bytes=workspace)
+
+
+def op_times_s(lg: LayerGraph, *, layout: Layout, target: Target, memo: dict | None = None
+               ) -> dict[str, tuple[float, float, float]]:
+    """Each op's (forward, dX, dW) seconds for one micro-batch on one device (cost_models/compute.py);
+    ``memo`` as in :func:`layer_cost`."""
+    memo = {} if memo is None else memo
+    times = {}
+    for op in lg.ops:
+        s = op_scale(op, layout)
+        ws, mnk = weight_scale(op, layout), gemm_shape(op, layout)
+        key = (lg.kind, op.name, s, ws, mnk)
+        if key not in memo:
+            memo[key] = annotation_time_s(op, scale=s, target=target, weight_scale=ws, mnk=mnk)
+        times[op.name] = memo[key]
+    return times
 
 
 def _sp(layout: Layout) -> int:

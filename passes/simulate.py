@@ -35,16 +35,16 @@ included) plus recompute.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, Iterable, Sequence
+from typing import ClassVar, Iterable, Mapping, Sequence
 
 from moeplan.cost_models.comm import collective_time_s, group_tier
 from moeplan.cost_models.memory import GRAD_BYTES, PARAM_BYTES
 from moeplan.cost_models.timeline import (RunSettings, StageProgram, Timeline, compact, concat_segments,
                                          overlap_rate_of, simulate)
 from moeplan.flops import flops_per_token
-from moeplan.ir import kind_of
+from moeplan.ir import LayerKind, kind_of
 from moeplan.passes.plan_memory import saved_bytes
-from moeplan.state import LayerCost, PlanState, Prediction, Recompute, Segment
+from moeplan.state import OP_MODES, LayerCost, PlanState, Prediction, Recompute, Segment
 from moeplan.targets import Target
 
 ADAM_BYTES_PER_PARAM = 30
@@ -64,8 +64,11 @@ def recompute_work(cost: LayerCost, mode: Recompute) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def recompute_segments(cost: LayerCost, mode: Recompute) -> tuple[Segment, ...]:
-    """What ``mode`` recomputes of a layer before its backward."""
+def recompute_segments(cost: LayerCost, mode: Recompute, redo_s: float | None = None) -> tuple[Segment, ...]:
+    """What ``mode`` recomputes of a layer before its backward; under a per-tensor mode ``redo_s``, the seconds
+    of the ops its decision re-runs, as one compute segment (their collectives included, blocking)."""
+    if redo_s is not None:
+        return (Segment("recompute", "compute", redo_s, kernels=1),) if redo_s > 0 else ()
     if mode == "full":
         return cost.program.fwd
     if mode == "selective" and cost.recompute_selective_s > 0:
@@ -73,10 +76,11 @@ def recompute_segments(cost: LayerCost, mode: Recompute) -> tuple[Segment, ...]:
     return ()
 
 
-def _layer_backward(cost: LayerCost, mode: Recompute, *, weight: bool) -> tuple[Segment, ...]:
+def _layer_backward(cost: LayerCost, mode: Recompute, *, weight: bool, redo_s: float | None = None
+                    ) -> tuple[Segment, ...]:
     """A layer's dX segments, preceded by its recompute, and (``weight``) each dW segment right after the last dX
     segment it needs (autograd computes a weight's gradient where it meets the op)."""
-    redo = recompute_segments(cost, mode)
+    redo = recompute_segments(cost, mode, redo_s)
     dx = concat_segments([redo, cost.program.bwd_input]) if redo else cost.program.bwd_input
     if not weight:
         return dx
@@ -100,15 +104,26 @@ def _one_segment(segs: Sequence[Segment]) -> tuple[Segment, ...]:
     return (Segment("weight_grad", "compute", sum(s.seconds for s in segs), kernels=sum(s.kernels for s in segs)),)
 
 
-def stage_program(layer_costs: Sequence[LayerCost], mode: Recompute, activation_bytes: float) -> StageProgram:
+def stage_program(layer_costs: Sequence[LayerCost], mode: Recompute, activation_bytes: float, *,
+                  redo_s: Mapping[LayerKind, float] | None = None, swap_s: tuple[float, float] = (0.0, 0.0)
+                  ) -> StageProgram:
     """One stage's program: forward in layer order, the backward passes in reverse layer order (module
-    docstring)."""
+    docstring). Per-tensor modes: ``redo_s`` per layer kind (seconds re-run per layer) and ``swap_s`` (the copy
+    out and the prefetch the host link does not hide, per micro-batch), which hold the compute stream at the end
+    of the forward and the start of the backward."""
+    redo = redo_s or {}
     back = list(reversed(layer_costs))
-    return StageProgram(fwd=compact(concat_segments([c.program.fwd for c in layer_costs])),
-                        bwd_input=compact(concat_segments([_layer_backward(c, mode, weight=False) for c in back])),
+    out = (Segment("swap_out", "compute", swap_s[0]),) if swap_s[0] > 0 else ()
+    fetch = (Segment("prefetch", "compute", swap_s[1]),) if swap_s[1] > 0 else ()
+
+    def backward(weight: bool) -> tuple[Segment, ...]:
+        return compact(concat_segments([fetch] + [_layer_backward(c, mode, weight=weight, redo_s=redo.get(c.kind))
+                                                  for c in back]))
+
+    return StageProgram(fwd=compact(concat_segments([c.program.fwd for c in layer_costs] + [out])),
+                        bwd_input=backward(False),
                         bwd_weight=_one_segment(concat_segments([c.program.weight_alone for c in back])),
-                        backward=compact(concat_segments([_layer_backward(c, mode, weight=True) for c in back])),
-                        activation_bytes=activation_bytes)
+                        backward=backward(True), activation_bytes=activation_bytes)
 
 
 def beside_compute(target: Target, overlap: Iterable[str]) -> RunSettings:
@@ -276,9 +291,18 @@ class SimulatePass:
         programs: list[StageProgram] = [None] * (lay.pp * lay.vpp)  # type: ignore[list-item]
         flops_per_mb = [0.0] * lay.pp
         for r in range(lay.pp):
-            mode = state.memory.stages[r].recompute
+            mem = state.memory.stages[r]
+            mode = mem.recompute
             for c, names in enumerate(state.stages.chunks[r]):
                 lcs = [costs[kind_of(spec, n)] for n in names]
+                if mode in OP_MODES:
+                    ours = {LayerKind(d.kind): d for d in mem.decisions if d.chunk == c}
+                    programs[state.stages.stage_of(r, c)] = stage_program(
+                        lcs, mode, sum(ours[x.kind].kept_bytes for x in lcs if x.kind in ours),
+                        redo_s={k: d.recompute_s for k, d in ours.items()}, swap_s=mem.exposed_swap_s[c])
+                    flops_per_mb[r] += sum(x.executed_flops + (ours[x.kind].recompute_flops if x.kind in ours else 0)
+                                           for x in lcs)
+                    continue
                 programs[state.stages.stage_of(r, c)] = stage_program(lcs, mode, sum(saved_bytes(x, mode) for x in lcs))
                 flops_per_mb[r] += sum(x.executed_flops + recompute_work(x, mode)[1] for x in lcs)
         tl = simulate(state.schedule.actions, stages=programs, settings=run_settings(state),
