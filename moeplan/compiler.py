@@ -47,19 +47,26 @@ def pass_registry() -> dict[str, type]:
 _ITEM = re.compile(r"\s*([\w-]+)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
 
 
+def _items(text: str) -> list[tuple[str, str | None]]:
+    """``(pass name, options text or None)`` of each item of a pipeline string; PlanError where it does not
+    parse."""
+    out, pos, text = [], 0, text.strip()
+    while pos < len(text):
+        m = _ITEM.match(text, pos)
+        if m is None or m.end() == pos:
+            raise PlanError(f"pipeline={text!r}: expected 'name' or 'name{{option=value,...}}' at position {pos}")
+        pos = m.end()
+        out.append((m.group(1), m.group(2)))
+    return out
+
+
 def parse_pipeline(text: str) -> tuple[Pass, ...]:
     """Parse ``"shard,partition-stages{layer_layout=free},..."`` into configured passes; raise PlanError on an
     unknown pass or option, a value of the wrong type, or a pass whose required decisions no earlier pass makes."""
     registry = pass_registry()
     available = set(_INITIAL)
     passes: list[Pass] = []
-    pos, text = 0, text.strip()
-    while pos < len(text):
-        m = _ITEM.match(text, pos)
-        if m is None or m.end() == pos:
-            raise PlanError(f"pipeline={text!r}: expected 'name' or 'name{{option=value,...}}' at position {pos}")
-        pos = m.end()
-        name = m.group(1)
+    for name, opts in _items(text):
         if name not in registry:
             raise PlanError(f"pipeline={name!r}: unknown pass; known: {', '.join(sorted(registry))}")
         cls = registry[name]
@@ -67,26 +74,21 @@ def parse_pipeline(text: str) -> tuple[Pass, ...]:
         if missing:
             raise PlanError(f"pipeline={name!r}: needs {', '.join(missing)} from an earlier pass")
         available.update(cls.provides)
-        passes.append(cls(**_options(cls, m.group(2) or "")))
+        passes.append(cls(**_options(cls, opts or "")))
     return tuple(passes)
 
 
 def with_option(pipeline: str, pass_name: str, key: str, value: object) -> str:
     """``pipeline`` with option ``key=value`` set on pass ``pass_name`` (how CLI flags become pass options: a
     later option overrides an earlier one). Raises PlanError when the pipeline has no such pass."""
-    out, found, pos, text = [], False, 0, pipeline.strip()
-    while pos < len(text):
-        m = _ITEM.match(text, pos)
-        if m is None or m.end() == pos:
-            raise PlanError(f"pipeline={text!r}: expected 'name' or 'name{{option=value,...}}' at position {pos}")
-        pos = m.end()
-        name, opts = m.group(1), m.group(2)
+    items = _items(pipeline)
+    if all(name != pass_name for name, _ in items):
+        raise PlanError(f"pipeline={pipeline!r}: has no {pass_name} pass to set {key} on")
+    out = []
+    for name, opts in items:
         if name == pass_name:
-            found = True
             opts = f"{opts},{key}={value}" if opts and opts.strip() else f"{key}={value}"
         out.append(f"{name}{{{opts}}}" if opts else name)
-    if not found:
-        raise PlanError(f"pipeline={pipeline!r}: has no {pass_name} pass to set {key} on")
     return ",".join(out)
 
 

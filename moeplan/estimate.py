@@ -175,7 +175,8 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
     chunks = pp * vpp
     fb = "fb" in strategy.overlap
     held = in_flight_bound(strategy.schedule, pp=pp, vpp=vpp, num_microbatches=m, fb=fb)
-    # per-tensor modes are estimated by the whole-layer modes they can always match (passes/plan_memory.py)
+    # per-tensor modes are estimated by whole-layer modes (an approximation: ilp's choices include near-equivalents
+    # of none, selective and full; mindspeed is closest to selective); plan-memory decides
     modes = {"auto": MODES, "ilp": MODES, "ilp-no-swap": MODES, "mindspeed": ("selective",)}.get(
         strategy.recompute, (strategy.recompute,))
     fits = False

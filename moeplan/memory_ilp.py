@@ -22,9 +22,10 @@ Variables per group ``g``: ``keep[g,u]``, ``swap[g,u]`` per storage ``u`` and ``
 Objective: the seconds added to the rank's step, ``m · Σ_c (Σ_{g in c} count_g Σ_o seconds_o redo[g,o] + out_c +
 in_c)`` for ``m`` micro-batches, plus 1e-13 s per swapped byte so that a free choice keeps rather than swaps.
 
-HiGHS (math_opt) proves these problems optimal in milliseconds (benchmarks/memory_strategies.py prints the solve
-times); each solve has a time limit, and when it hits without a proof the greedy :func:`heuristic` answers,
-flagged ``status="heuristic"`` with the reason.
+Solved with HiGHS (math_opt). Small problems take milliseconds; the 718B's ranks at tight budgets take seconds
+to tens of seconds (docs/memory.md §3, benchmarks/memory_strategies.py prints the time). Each solve has a time
+limit, and when it hits without a proof the greedy :func:`heuristic` answers, flagged ``status="heuristic"`` with
+the reason.
 """
 from __future__ import annotations
 
@@ -80,19 +81,26 @@ class RankSolution:
     solve_s: float = 0.0
 
 
+def _windows(problem: RankProblem) -> tuple[list[float], list[float]]:
+    """Per chunk, the forward and the backward compute seconds of one micro-batch (what a swap hides under)."""
+    chunks = len(problem.in_flight[0]) if problem.in_flight else 1 + max(g.chunk for g in problem.groups)
+    fwd, bwd = [0.0] * chunks, [0.0] * chunks
+    for g in problem.groups:
+        fwd[g.chunk] += g.count * g.layer.fwd_s
+        bwd[g.chunk] += g.count * g.layer.bwd_s
+    return fwd, bwd
+
+
 def evaluate(problem: RankProblem, choices: Sequence[GroupChoice]) -> tuple[float, float, tuple]:
     """(seconds added to the step, peak bytes, per-chunk (out, in) exposed swap seconds per micro-batch) of
     ``choices`` under ``problem``'s model (module docstring)."""
-    chunks = len(problem.in_flight[0]) if problem.in_flight else 1 + max(g.chunk for g in problem.groups)
-    kept, swapped, redo = [0.0] * chunks, [0.0] * chunks, [0.0] * chunks
-    fwd, bwd = [0.0] * chunks, [0.0] * chunks
+    fwd, bwd = _windows(problem)
+    kept, swapped, redo = [0.0] * len(fwd), [0.0] * len(fwd), [0.0] * len(fwd)
     work = buf = 0.0
     for g, ch in zip(problem.groups, choices):
         kept[g.chunk] += g.count * ch.kept_bytes
         swapped[g.chunk] += g.count * ch.swapped_bytes
         redo[g.chunk] += g.count * ch.recompute_s
-        fwd[g.chunk] += g.count * g.layer.fwd_s
-        bwd[g.chunk] += g.count * g.layer.bwd_s
         work, buf = max(work, ch.remade_bytes), max(buf, 2 * ch.swapped_bytes)
     bw = problem.host_bandwidth
     exposed = tuple((max(0.0, s / bw - f), max(0.0, s / bw - b)) if bw else (0.0, 0.0)
@@ -138,6 +146,10 @@ def solve(problem: RankProblem, *, time_limit_s: float = 2.0) -> RankSolution:
 
     t0 = time.perf_counter()
     model = mathopt.Model(name="plan-memory")
+    fwd, bwd = _windows(problem)
+    kept, swapped, redo_s = [0.0] * len(fwd), [0.0] * len(fwd), [0.0] * len(fwd)
+    work = model.add_variable(lb=0.0, name="work")
+    buf = model.add_variable(lb=0.0, name="swap_buffers")
     keep, swap, redo = {}, {}, {}
     for gi, g in enumerate(problem.groups):
         lt = g.layer
@@ -161,29 +173,17 @@ def solve(problem: RankProblem, *, time_limit_s: float = 2.0) -> RankSolution:
         for o in lt.ops:
             for u in o.reads:
                 model.add_linear_constraint(held(u) >= redo[gi, o.name])
-    work = model.add_variable(lb=0.0, name="work")
-    buf = model.add_variable(lb=0.0, name="swap_buffers")
-    chunks = len(problem.in_flight[0]) if problem.in_flight else 1 + max(g.chunk for g in problem.groups)
-    kept = [0.0] * chunks
-    swapped = [0.0] * chunks
-    redo_s = [0.0] * chunks
-    fwd, bwd = [0.0] * chunks, [0.0] * chunks
-    for gi, g in enumerate(problem.groups):
-        lt = g.layer
-        maker = {m: o.name for o in lt.ops for m in o.makes}
         kept[g.chunk] += g.count * sum(t.bytes / GIB * keep[gi, t.name] for t in lt.tensors)
         sw = sum(t.bytes / GIB * swap[gi, t.name] for t in lt.tensors)
         swapped[g.chunk] += g.count * sw
         redo_s[g.chunk] += g.count * sum(o.seconds * redo[gi, o.name] for o in lt.ops)
-        fwd[g.chunk] += g.count * lt.fwd_s
-        bwd[g.chunk] += g.count * lt.bwd_s
         model.add_linear_constraint(work >= sum(t.bytes / GIB * redo[gi, maker[t.name]] for t in lt.tensors
                                                 if t.name in maker))
         model.add_linear_constraint(buf >= 2 * sw)
     for v in problem.in_flight:
         model.add_linear_constraint(sum(n * k for n, k in zip(v, kept) if n) + work + buf <= problem.budget_bytes / GIB)
     exposed = []
-    for c in range(chunks):
+    for c in range(len(fwd)):
         out, back = model.add_variable(lb=0.0, name=f"out[{c}]"), model.add_variable(lb=0.0, name=f"in[{c}]")
         if problem.host_bandwidth:
             model.add_linear_constraint(out >= swapped[c] * (GIB / problem.host_bandwidth) - fwd[c])

@@ -87,24 +87,15 @@ class PlanMemoryPass:
 
 
 def rank_memory(state: PlanState, rank: int, mode: Recompute, actions: tuple[str, ...]) -> StageMemory:
-    """Memory of one device of PP rank ``rank`` under ``mode`` (bytes)."""
+    """Memory of one device of PP rank ``rank`` under whole-layer ``mode`` (bytes)."""
     assert state.sharding is not None and state.stages is not None
-    lay, spec, costs = state.layout, state.graph.spec, state.sharding.layer_costs
-    dense = expert = 0.0
-    workspace = 0
-    stage_bytes = {}
-    for c, names in enumerate(state.stages.chunks[rank]):
-        layer_costs = [costs[kind_of(spec, n)] for n in names]
-        dense += sum(lc.params - lc.expert_params for lc in layer_costs)
-        expert += sum(lc.expert_params for lc in layer_costs)
-        workspace = max([workspace, *(lc.workspace_bytes for lc in layer_costs)])
-        stage_bytes[state.stages.stage_of(rank, c)] = sum(saved_bytes(lc, mode) for lc in layer_costs)
-    ms = model_state_bytes(dense_params=dense, expert_params=expert, dense_dp=lay.dp * lay.cp,
-                           expert_dp=lay.expert_dp)
+    spec, costs = state.graph.spec, state.sharding.layer_costs
+    stage_bytes = {state.stages.stage_of(rank, c): sum(saved_bytes(costs[kind_of(spec, n)], mode) for n in names)
+                   for c, names in enumerate(state.stages.chunks[rank])}
+    params, grads, opt, workspace = _model_states(state, rank)
     act, in_flight = peak_live_bytes(actions, stage_bytes)
-    return StageMemory(pp_rank=rank, recompute=mode, params_bytes=ms.params_bytes, grads_bytes=ms.grads_bytes,
-                       optimizer_bytes=ms.optimizer_bytes, activation_bytes=act, workspace_bytes=workspace,
-                       in_flight_microbatches=in_flight)
+    return StageMemory(pp_rank=rank, recompute=mode, params_bytes=params, grads_bytes=grads, optimizer_bytes=opt,
+                       activation_bytes=act, workspace_bytes=workspace, in_flight_microbatches=in_flight)
 
 
 MINDSPEED_RECOMPUTED = frozenset({"norm", "SwiGLU activation", "shared expert SwiGLU activation"})

@@ -114,7 +114,6 @@ def test_with_option_sets_a_pass_option() -> None:
 
 def test_ilp_plan_records_decisions_round_trips_and_is_refused_by_the_runtime(tmp_path) -> None:
     spec, tgt = load_spec("tiny-pangu"), load_target("cpu")
-    graph = trace_model(spec, seq_len=spec.seq_len)
     fixed = Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len, tp=1, pp=2, recompute="ilp")
     roomy = compile_model(spec=spec, target=tgt, num_devices=2, fixed=fixed, workers=1).plan
     need = max(r.total_bytes for r in roomy.memory.ranks)
@@ -122,7 +121,6 @@ def test_ilp_plan_records_decisions_round_trips_and_is_refused_by_the_runtime(tm
                            "budget_gib", need * 0.9 / 2**30)
     parse_pipeline(pipeline)
     plan = compile_model(spec=spec, target=tgt, num_devices=2, fixed=fixed, pipeline=pipeline, workers=1).plan
-    assert graph.layers  # traced once, shared
     ranks = plan.memory.ranks
     assert all(r.recompute == "ilp" and r.solve_status == "optimal" for r in ranks)
     assert max(r.total_bytes for r in ranks) <= need * 0.9
