@@ -24,7 +24,7 @@ from typing import ClassVar
 from moeplan.cost_models.memory import model_state_bytes, peak_live_bytes
 from moeplan.cost_models.saved_tensors import LayerTensors, layer_tensors
 from moeplan.errors import InfeasibleError, PlanError
-from moeplan.memory_ilp import Group, RankProblem, RankSolution, choice_of, evaluate, solve
+from moeplan.memory_ilp import Group, RankProblem, choice_of, evaluate, solve
 from moeplan.ir import kind_of
 from moeplan.state import LayerCost, MemoryPlan, PlanState, Recompute, StageMemory
 
@@ -133,8 +133,9 @@ def in_flight_vectors(actions: tuple[str, ...], stages: list[int]) -> tuple[tupl
 
 def rank_problem(state: PlanState, rank: int, mode: Recompute, actions: tuple[str, ...], budget: float,
                  tensors: dict) -> tuple[RankProblem, tuple[float, float, float, int]]:
-    """The :class:`RankProblem` of PP rank ``rank`` (its groups, in-flight vectors and the bytes left for
-    activations) and its model states; ``tensors`` caches each kind's :class:`LayerTensors`."""
+    """The :class:`RankProblem` of PP rank ``rank`` (its groups, in-flight vectors and the bytes ``budget``
+    leaves for activations once the model states and the largest op workspace are counted) and those (params,
+    grads, optimizer, workspace bytes); ``tensors`` caches each kind's :class:`LayerTensors`."""
     assert state.sharding is not None and state.stages is not None
     spec, stages = state.graph.spec, state.stages
     groups = []
@@ -168,18 +169,14 @@ def op_rank_memory(state: PlanState, rank: int, mode: Recompute, actions: tuple[
     """Memory of one device of PP rank ``rank`` under a per-tensor mode (module docstring), its decisions and
     the solver's status."""
     problem, (params, grads, opt, workspace) = rank_problem(state, rank, mode, actions, budget, tensors)
-    problem = RankProblem(problem.groups, problem.in_flight, problem.budget_bytes - workspace,
-                          problem.microbatches, problem.host_bandwidth)
-    if mode == "mindspeed":
+    memory = dict(pp_rank=rank, recompute=mode, params_bytes=params, grads_bytes=grads, optimizer_bytes=opt,
+                  workspace_bytes=workspace, in_flight_microbatches=max((sum(v) for v in problem.in_flight), default=0))
+    if mode == "mindspeed":  # fixed decisions: nothing solved, so no solver status
         choices = tuple(choice_of(g, {o.name for o in g.layer.ops if o.label in MINDSPEED_RECOMPUTED}, set())
                         for g in problem.groups)
-        added, peak, exposed = evaluate(problem, choices)
-        sol = RankSolution("optimal" if peak <= problem.budget_bytes else "infeasible", "fixed decisions", 0.0,
-                           added, peak, choices, exposed)
-    else:
-        sol = solve(problem, time_limit_s=time_limit_s)
-    return StageMemory(pp_rank=rank, recompute=mode, params_bytes=params, grads_bytes=grads, optimizer_bytes=opt,
-                       activation_bytes=sol.peak_bytes, workspace_bytes=workspace,
-                       in_flight_microbatches=max((sum(v) for v in problem.in_flight), default=0),
-                       decisions=sol.choices, exposed_swap_s=sol.exposed_swap_s, solve_status=sol.status,
+        _, peak, exposed = evaluate(problem, choices)
+        return StageMemory(**memory, activation_bytes=peak, decisions=choices, exposed_swap_s=exposed)
+    sol = solve(problem, time_limit_s=time_limit_s)
+    return StageMemory(**memory, activation_bytes=sol.peak_bytes, decisions=sol.choices,
+                       exposed_swap_s=sol.exposed_swap_s, solve_status=sol.status,
                        solve_gap=sol.gap if sol.gap != float("inf") else -1.0, solve_reason=sol.reason)
