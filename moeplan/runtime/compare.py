@@ -14,7 +14,9 @@ recompute mode per PP rank) and the schedule (number of micro-batches and sends)
 - bytes per class: in-layer collectives M · Σ bytes; ``pp`` the p2p message bytes times the rank's SENDs; ``dp``
   (when the experts reduce over the same group as the dense parameters, ep = 1) the runtime's fp32 reduce-scatter
   input and all-gather shard of the rank's parameters, ``4·P·(1 + 1/(dp·cp))``;
-- peak saved-activation bytes: ``memory.ranks[r].activation_bytes``.
+- peak saved-activation bytes on the device: ``memory.ranks[r].activation_bytes``; swapped to host (a per-tensor
+  plan): per chunk, its layers' swapped bytes (``memory.ranks[r].decisions``) times the micro-batches the action
+  list keeps in flight, at the fullest point (:func:`predicted_host_bytes`).
 
 Byte figures of the plan are in its target's training dtype (``Target.training_dtype``: fp32 for a calibrated cpu
 target, bf16 for accelerators and plans written before the field existed); the runtime trains in fp32, so predicted
@@ -117,7 +119,7 @@ def measured_rank(timed: list[StepRecord], metered: list[StepRecord], pp_rank: i
     saved-activation peak and the in-layer collective seconds over ``metered``."""
     out = _median_rank(timed, pp_rank)
     for key, value in _median_rank(metered, pp_rank).items():
-        if key == "peak_saved_bytes" or (key.startswith("comm:") and key[5:] in IN_LAYER):
+        if key in ("peak_saved_bytes", "peak_host_bytes") or (key.startswith("comm:") and key[5:] in IN_LAYER):
             out[key] = value
     return out
 
@@ -127,7 +129,7 @@ def _median_rank(records: list[StepRecord], pp_rank: int) -> dict[str, float]:
     for rec in records:
         ranks = [r for r in rec.ranks if r.pp_rank == pp_rank]
         keys = {k for r in ranks for k in r.action_s} | {f"comm:{k}" for r in ranks for k in r.comm_s} \
-            | {f"bytes:{k}" for r in ranks for k in r.comm_bytes} | {"peak_saved_bytes"}
+            | {f"bytes:{k}" for r in ranks for k in r.comm_bytes} | {"peak_saved_bytes", "peak_host_bytes"}
         for key in keys:
             values = [_value(r, key) for r in ranks]
             series[key].append(sum(values) / len(values))
@@ -135,8 +137,8 @@ def _median_rank(records: list[StepRecord], pp_rank: int) -> dict[str, float]:
 
 
 def _value(rank, key: str) -> float:
-    if key == "peak_saved_bytes":
-        return float(rank.peak_saved_bytes)
+    if key in ("peak_saved_bytes", "peak_host_bytes"):
+        return float(getattr(rank, key))
     if key.startswith("comm:"):
         return rank.comm_s.get(key[5:], 0.0)
     if key.startswith("bytes:"):
@@ -171,7 +173,27 @@ def compare(plan: Plan, records: list[StepRecord], *, first_step: int = 5) -> li
         rows.append(Row(f"{tag} peak saved activations", "bytes",
                         plan.memory.ranks[pp_rank].activation_bytes * _byte_scale(plan),
                         meas.get("peak_saved_bytes", 0.0)))
+        rows.append(Row(f"{tag} peak swapped activations (host)", "bytes",
+                        predicted_host_bytes(plan, pp_rank) * _byte_scale(plan), meas.get("peak_host_bytes", 0.0)))
     return [r for r in rows if r.measured or r.predicted]
+
+
+def predicted_host_bytes(plan: Plan, pp_rank: int) -> float:
+    """Bytes a per-tensor plan keeps swapped to host on one device of PP rank ``pp_rank`` at the fullest in-flight
+    point of its action list (0 for a plan without swaps): per chunk, its layers' swapped bytes times the
+    micro-batches in flight."""
+    from moeplan.passes.plan_memory import in_flight_vectors
+
+    rank, pp = plan.memory.ranks[pp_rank], plan.layout.pp
+    chunks = plan.stages.chunks[pp_rank]
+    per_chunk = [0.0] * len(chunks)
+    for d in rank.decisions:
+        per_chunk[d.chunk] += d.swapped_bytes * sum(1 for n in chunks[d.chunk] if kind_of(plan.model.spec, n).value
+                                                    == d.kind)
+    if not any(per_chunk):
+        return 0.0
+    vectors = in_flight_vectors(tuple(plan.schedule.actions[pp_rank]), [c * pp + pp_rank for c in range(len(chunks))])
+    return max(sum(n * b for n, b in zip(v, per_chunk)) for v in vectors)
 
 
 def rows_json(rows: list[Row]) -> list[dict]:

@@ -51,6 +51,7 @@ from moeplan.errors import PlanError
 from moeplan.ir import LayerKind, kind_of
 from moeplan.models import DEFAULT_MTP_WEIGHT
 from moeplan.plan import Plan
+from moeplan.runtime.activations import PerTensorCalls
 from moeplan.runtime.data import MicroBatch
 from moeplan.runtime.metrics import CommMeter, CommTotals, SavedActivationMeter
 
@@ -195,8 +196,20 @@ def _selective_contexts(meter: SavedActivationMeter, scope: _AttentionScope):
     return forward, _ReleaseOnExit(recompute, meter, record)
 
 
+def layer_calls(plan: Plan, pp_rank: int, meter: SavedActivationMeter, modules: Mapping[int, nn.ModuleDict],
+                device: torch.device) -> LayerWrapper:
+    """The layer-call wrapper of PP rank ``pp_rank``'s recompute mode: :func:`recompute_call` for a whole-layer
+    mode, :class:`~moeplan.runtime.activations.PerTensorCalls` for a per-tensor one (``modules``: the rank's
+    stage -> layer modules)."""
+    mode = plan.memory.ranks[pp_rank].recompute
+    if mode in ("none", "selective", "full"):
+        return recompute_call(mode, meter)
+    layers = {name: m for stage in modules.values() for name, m in stage.items()}
+    return PerTensorCalls(plan, pp_rank, meter, device, layers)
+
+
 def recompute_call(mode: Literal["none", "selective", "full"], meter: SavedActivationMeter) -> LayerWrapper:
-    """The layer-call wrapper of a recompute mode (see the module docstring)."""
+    """The layer-call wrapper of a whole-layer recompute mode (see the module docstring)."""
     if mode == "none":
         return _plain
     scope = _AttentionScope()
@@ -311,6 +324,8 @@ class PipelineExecutor:
 
     def _forward(self, stage: int, mb: int) -> None:
         inputs = self._stage_inputs(stage, mb)
+        if isinstance(self.call, PerTensorCalls):
+            self.call.start_forward(stage, mb)
         carry = Carry.from_tensors(self.in_fields[stage], inputs) if stage else Carry()
         spec = self.plan.model.spec
         for name, kind in self.layers[stage]:
@@ -340,6 +355,8 @@ class PipelineExecutor:
         else:
             torch.autograd.backward(fwd.outputs, grads)
             self._store_input_grads(stage, mb, fwd.inputs, {id(t): t.grad for t in need})
+        if kind != "I" and isinstance(self.call, PerTensorCalls):
+            self.call.backward_done(stage, mb)
 
     def _store_input_grads(self, stage: int, mb: int, inputs: tuple[torch.Tensor, ...],
                            grads: dict[int, torch.Tensor | None]) -> None:

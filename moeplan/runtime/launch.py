@@ -2,12 +2,10 @@
 ``torchrun`` command for a cluster.
 
 - :func:`check_runnable` refuses, with one line (PlanError), a plan the runtime cannot execute: a schedule,
-  dispatcher, overlap mechanism, FP8 training or per-tensor recompute / swap mode it does not run yet
-  (:func:`check_strategy`: it runs loop-placed
+  dispatcher, overlap mechanism or FP8 training it does not run yet (:func:`check_strategy`: it runs loop-placed
   1F1B / interleaved / zero-bubble orders, the flat all-to-all, every collective synchronously, in fp32 or bf16),
   a layout the process groups cannot realise, an action list that is not a complete, matched pipeline schedule, an
-  expert
-  placement that does not cover the experts, a device count other than the launched world, a target backend this
+  expert placement that does not cover the experts, a device count other than the launched world, a target backend this
   machine lacks. ``load_plan`` has already checked the schema version and the plan's consistency.
 - :func:`launch_local` starts ``num_devices`` processes of :mod:`moeplan.runtime.worker` on this machine with
   torch.distributed's own elastic launcher (what ``torchrun --standalone`` runs: c10d rendezvous on localhost, no
@@ -35,7 +33,6 @@ from moeplan.cost_models.timeline import parse_action
 from moeplan.errors import MoeplanError, PlanError
 from moeplan.plan import Plan
 from moeplan.runtime.groups import check_layout_for_runtime
-from moeplan.state import OP_MODES
 
 DIST_BACKEND = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 DEFAULT_TIMEOUT_S = 60.0
@@ -158,9 +155,6 @@ def check_strategy(plan: Plan) -> None:
                         f"compile with --overlap none")
     if plan.target.training_dtype == "fp8":
         raise PlanError("target.training_dtype='fp8': the runtime has no FP8 GEMMs; compile with --training-dtype bf16")
-    if plan.memory.recompute in OP_MODES:
-        raise PlanError(f"memory.recompute={plan.memory.recompute!r}: the runtime does not execute per-tensor "
-                        f"recompute and swap decisions yet; compile with --recompute auto|none|selective|full")
 
 
 def check_backend(backend: Literal["cpu", "cuda", "npu"]) -> None:

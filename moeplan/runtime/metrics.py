@@ -53,9 +53,12 @@ class SavedActivationMeter:
         self._sizes: dict[int, int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.host_live_bytes = 0
+        self.host_peak_bytes = 0
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
+        self.host_peak_bytes = self.host_live_bytes
 
     def _acquire(self, ptr: int, nbytes: int) -> None:
         refs = self._refs.get(ptr, 0)
@@ -103,6 +106,17 @@ class SavedActivationMeter:
         """Release what :meth:`keep` counted into ``record`` (the region was recomputed)."""
         for ptr in record:
             self._release(ptr)
+        record.clear()
+
+    def keep_host(self, nbytes: int, record: list[int]) -> None:
+        """Count ``nbytes`` swapped to host (moeplan.runtime.activations); ``record`` collects them for
+        :meth:`drop_host`."""
+        self.host_live_bytes += nbytes
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
+        record.append(nbytes)
+
+    def drop_host(self, record: list[int]) -> None:
+        self.host_live_bytes -= sum(record)
         record.clear()
 
 
@@ -174,6 +188,7 @@ class RankStep:
     comm_s: Mapping[str, float]
     comm_bytes: Mapping[str, int]
     peak_saved_bytes: int
+    peak_host_bytes: int = 0  # swapped activations held on the host (moeplan.runtime.activations)
 
 
 ACTION_KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_WAIT", "OPTIMIZER")
@@ -181,7 +196,7 @@ ACTION_KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEN
 
 def rank_step_vector(step: RankStep) -> torch.Tensor:
     """Pack a RankStep into a float64 vector (fixed layout) for an all-gather across ranks."""
-    values = [float(step.rank), float(step.pp_rank), float(step.peak_saved_bytes)]
+    values = [float(step.rank), float(step.pp_rank), float(step.peak_saved_bytes), float(step.peak_host_bytes)]
     values += [step.action_s.get(k, 0.0) for k in ACTION_KINDS]
     values += [step.comm_s.get(c, 0.0) for c in COMM_CLASSES]
     values += [float(step.comm_bytes.get(c, 0)) for c in COMM_CLASSES]
@@ -190,9 +205,10 @@ def rank_step_vector(step: RankStep) -> torch.Tensor:
 
 def rank_step_from_vector(v: torch.Tensor) -> RankStep:
     vals = v.tolist()
-    a, c = 3, 3 + len(ACTION_KINDS)
+    a, c = 4, 4 + len(ACTION_KINDS)
     b = c + len(COMM_CLASSES)
     return RankStep(rank=int(vals[0]), pp_rank=int(vals[1]), peak_saved_bytes=int(vals[2]),
+                    peak_host_bytes=int(vals[3]),
                     action_s={k: x for k, x in zip(ACTION_KINDS, vals[a:c]) if x},
                     comm_s={k: x for k, x in zip(COMM_CLASSES, vals[c:b]) if x},
                     comm_bytes={k: int(x) for k, x in zip(COMM_CLASSES, vals[b:]) if x})
@@ -220,7 +236,8 @@ class StepRecord:
             "tokens_per_s": self.tokens_per_s, "grad_norm": self.grad_norm,
             "ranks": [{"rank": r.rank, "pp_rank": r.pp_rank, "action_s": dict(r.action_s), "comm_s": dict(r.comm_s),
                        "comm_bytes": dict(r.comm_bytes),
-                       "peak_saved_bytes": r.peak_saved_bytes if r.peak_saved_bytes >= 0 else None}
+                       "peak_saved_bytes": r.peak_saved_bytes if r.peak_saved_bytes >= 0 else None,
+                       "peak_host_bytes": r.peak_host_bytes}
                       for r in self.ranks]})
 
     @staticmethod
@@ -228,7 +245,8 @@ class StepRecord:
         d = json.loads(line)
         ranks = tuple(RankStep(rank=r["rank"], pp_rank=r["pp_rank"], action_s=r["action_s"], comm_s=r["comm_s"],
                                comm_bytes=r["comm_bytes"],
-                               peak_saved_bytes=-1 if r["peak_saved_bytes"] is None else r["peak_saved_bytes"])
+                               peak_saved_bytes=-1 if r["peak_saved_bytes"] is None else r["peak_saved_bytes"],
+                               peak_host_bytes=r.get("peak_host_bytes", 0))
                       for r in d["ranks"])
         return StepRecord(step=d["step"], loss=d["loss"], step_time_s=d["step_time_s"],
                           tokens_per_s=d["tokens_per_s"], grad_norm=d["grad_norm"], ranks=ranks)

@@ -28,7 +28,7 @@ from moeplan.plan import Plan, load_plan
 from moeplan.runtime.build import LayerDict, build_rank_modules, tp_replicated_params
 from moeplan.runtime.checkpoint import load_checkpoint, newest_checkpoint, rank_state, save_checkpoint
 from moeplan.runtime.data import MicroBatch, check_tokens, global_batch, load_tokens, rank_microbatches
-from moeplan.runtime.executor import PipelineExecutor, recompute_call
+from moeplan.runtime.executor import PipelineExecutor, layer_calls
 from moeplan.runtime.groups import ParallelGroups, RankCoords, make_groups
 from moeplan.runtime.launch import DIST_BACKEND, RunRequest, check_runnable
 from moeplan.runtime.metrics import (CommTotals, RankStep, SavedActivationMeter, StepRecord, rank_step_from_vector,
@@ -91,10 +91,9 @@ def setup_rank(plan: Plan, request: RunRequest, *, device: torch.device) -> Rank
     ties = TiedGrads(plan, modules, rank=rank, comm=comm, timeout=timeout)
     replicated = ReplicatedGrads(tp_replicated_params(modules), groups.tp, comm=comm)
     meter = SavedActivationMeter([e.param for e in dense + expert])
-    mode = plan.memory.ranks[coords.pp_rank].recompute
     executor = PipelineExecutor(plan, pp_rank=coords.pp_rank, pp_ranks=groups.pp_ranks, modules=modules, meter=meter,
                                 comm_classes=in_layer_classes(groups), localize=lambda mb: _to(mb, device),
-                                call=recompute_call(mode, meter), device=device)
+                                call=layer_calls(plan, coords.pp_rank, meter, modules, device), device=device)
     return RankSetup(coords, groups, modules, executor, optimizer, ties, replicated, comm, layer_log, meter)
 
 
@@ -124,7 +123,8 @@ def run_one_step(plan: Plan, setup: RankSetup, tokens: torch.Tensor, step: int, 
         setup.comm.add(cls, 0.0, nbytes)
     counts = coords.pp_rank == lay.pp - 1 and coords.tp_rank == 0 and coords.cp_rank == 0
     mine = RankStep(rank=coords.rank, pp_rank=coords.pp_rank, action_s=dict(times), comm_s=dict(setup.comm.seconds),
-                    comm_bytes=dict(setup.comm.nbytes), peak_saved_bytes=setup.meter.peak_bytes if metered else -1)
+                    comm_bytes=dict(setup.comm.nbytes), peak_saved_bytes=setup.meter.peak_bytes if metered else -1,
+                    peak_host_bytes=setup.meter.host_peak_bytes)
     extra = torch.tensor([loss_sum / lay.num_microbatches / lay.dp if counts else 0.0, step_s], dtype=torch.float64)
     vec = torch.cat([rank_step_vector(mine), extra]).to(_comm_device(plan))
     gathered = torch.empty(dist.get_world_size() * vec.numel(), dtype=vec.dtype, device=vec.device)

@@ -13,14 +13,13 @@ import tempfile
 import uuid
 from datetime import timedelta
 
-import numpy as np
 import pytest
 import torch
 
 from moeplan.compile import compile_model
 from moeplan.cost_models.timeline import parse_action
 from moeplan.plan import Plan, save_plan
-from moeplan.runtime.data import global_batch, stdlib_tokens
+from moeplan.runtime.data import global_batch
 from moeplan.search import Fixed
 from moeplan.spec import load_spec
 from moeplan.targets import load_target
@@ -119,18 +118,6 @@ def launch_function(fn, nprocs: int, *args) -> dict[int, object]:
                               rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                               monitor_interval=0.1, logs_specs=DefaultLogsSpecs(log_dir=logs))
         return elastic_launch(config, entrypoint=fn)(*args)
-
-
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "tokens.npy"
-    np.save(path, stdlib_tokens("train")[:TOKENS].numpy())
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def reference(data_file) -> list[float]:
-    return reference_losses(torch.from_numpy(np.load(data_file)), steps=STEPS)
 
 
 def _run(layouts: dict, devices: int, tmp_path_factory, data_file: str) -> dict[str, list[float]]:
