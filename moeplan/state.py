@@ -260,7 +260,7 @@ class StageMemory:
     """Memory on one device of a PP rank, bytes, under the chosen recompute mode. Under a per-tensor mode
     (OP_MODES): ``decisions`` per (VPP chunk, layer kind), the swap seconds per micro-batch the host link does not
     hide per chunk (out, in), and the solver's status, optimality gap and reason (moeplan/memory_ilp.py);
-    ``activation_bytes`` then includes the recompute working set and the swap buffers."""
+    ``activation_bytes`` then includes the backward working set (re-made and swapped tensors of one layer)."""
 
     pp_rank: int
     recompute: Recompute

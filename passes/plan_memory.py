@@ -10,7 +10,8 @@ moeplan/memory_ilp.py; ``ilp-no-swap`` never swaps).
 
 A rank's memory is its model states (cost_models/memory.py, distributed optimizer) plus its activations at the
 fullest point of its action list from the ``schedule`` pass (which it requires: the in-flight micro-batches are the
-schedule's) plus the largest op workspace; per-tensor modes add the recompute working set and swap buffers. The
+schedule's) plus the largest op workspace plus one layer's backward working set (what it re-makes; per-tensor
+modes add its swapped tensors fetched back and the next layer's prefetched: moeplan/memory_ilp.py). The
 budget is ``budget_gib`` when set, else ``budget_fraction`` of the target's usable device memory.
 
 Raises InfeasibleError, naming the per-device memory needed, when even full recompute (or the fixed mode) does not
@@ -86,6 +87,16 @@ class PlanMemoryPass:
         return state.with_(memory=MemoryPlan(stages=tuple(stages), budget_bytes=budget))
 
 
+def recompute_working_set(state: PlanState, rank: int, mode: Recompute) -> int:
+    """Bytes one layer's backward re-makes under whole-layer ``mode`` (the largest on the rank): what it keeps
+    under ``none`` less what ``mode`` keeps. Charged on top of the in-flight activations, as the per-tensor
+    modes charge theirs (moeplan/memory_ilp.py), so the two families are priced alike."""
+    assert state.sharding is not None and state.stages is not None
+    spec, costs = state.graph.spec, state.sharding.layer_costs
+    return max([0, *(saved_bytes(costs[kind_of(spec, n)], "none") - saved_bytes(costs[kind_of(spec, n)], mode)
+                     for names in state.stages.chunks[rank] for n in names)])
+
+
 def rank_memory(state: PlanState, rank: int, mode: Recompute, actions: tuple[str, ...]) -> StageMemory:
     """Memory of one device of PP rank ``rank`` under whole-layer ``mode`` (bytes)."""
     assert state.sharding is not None and state.stages is not None
@@ -94,6 +105,7 @@ def rank_memory(state: PlanState, rank: int, mode: Recompute, actions: tuple[str
                    for c, names in enumerate(state.stages.chunks[rank])}
     params, grads, opt, workspace = _model_states(state, rank)
     act, in_flight = peak_live_bytes(actions, stage_bytes)
+    act += recompute_working_set(state, rank, mode)
     return StageMemory(pp_rank=rank, recompute=mode, params_bytes=params, grads_bytes=grads, optimizer_bytes=opt,
                        activation_bytes=act, workspace_bytes=workspace, in_flight_microbatches=in_flight)
 

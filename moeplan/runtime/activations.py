@@ -220,6 +220,10 @@ class _ModulePaths:
     def path(self) -> str:
         return self.stack[-1]
 
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
 
 @dataclass(eq=False)
 class _Probe(TorchDispatchMode):
@@ -567,8 +571,7 @@ class PerTensorCalls:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t), probe:
                 fn(*copies)
         finally:
-            for h in paths._handles:
-                h.remove()
+            paths.remove()
         return layer_policy(probe, reference_stream(self.spec_json, kind, self.seq_len), decisions)
 
     # ---- swap and release -------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The runtime carries out per-tensor recompute / swap plans (issue 9, moeplan/runtime/activations.py).
 
 tiny-pangu on one cpu device under tight budgets, three decision mixes: swap-heavy (``ilp`` at 9.2 MiB: almost
-every storage swapped), mixed (``ilp`` at 8.7 MiB: swaps plus the MoE permute re-run) and recompute-heavy
+every storage swapped), mixed (``ilp`` at 8.7 MiB: swaps plus a few re-run ops) and recompute-heavy
 (``ilp-no-swap`` at 8.7 MiB). Each trains 20 steps in one process; the losses must match the single-process model
 and the measured peak of device-side saved activations must stay under what the budget leaves for activations.
 """
@@ -87,13 +87,9 @@ def test_device_saved_bytes_follow_the_plan(plans, runs, name):
     budget = plans[name].memory.budget_bytes
     states = rank.params_bytes + rank.grads_bytes + rank.optimizer_bytes + rank.workspace_bytes
     peaks = [peak for _, peak, _ in runs[name]]
-    if name != "mixed":  # mixed: 1.97 MiB measured for 1.89 predicted, the plan at its budget: 0.9% over
+    if name != "mixed":  # mixed: 1,969,152 B measured for 1,879,296 predicted, the plan at its budget: 0.8% over
         assert max(peaks) + states <= budget
-    if name == "recompute_heavy":
-        # the plan counts a layer's whole re-made set live at once; the runtime's recompute frees as it goes
-        assert 0.6 * rank.activation_bytes <= max(peaks) <= rank.activation_bytes
-    else:
-        assert max(peaks) == pytest.approx(rank.activation_bytes, rel=0.10)
+    assert max(peaks) == pytest.approx(rank.activation_bytes, rel=0.10)
     hosts = [host for _, _, host in runs[name]]
     assert (max(hosts) > 0) == (name != "recompute_heavy")
 
@@ -110,4 +106,7 @@ def test_reference_stream_names_the_traced_storages():
 
 def test_storage_decisions_read_the_plan(plans):
     d = storage_decisions(plans["mixed"], 0)
-    assert d[(0, "moe")]["mlp_dispatch"] == "recompute" and "swap" in d[(0, "dense")].values()
+    for x in plans["mixed"].memory.ranks[0].decisions:
+        assert all(d[(x.chunk, x.kind)][s] == "swap" for s in x.swapped)
+        assert all(d[(x.chunk, x.kind)][o] == "recompute" for o in x.recomputed if o not in x.swapped)
+        assert all(d[(x.chunk, x.kind)][f"{o}.internal"] in ("recompute", "swap") for o in x.recomputed)
