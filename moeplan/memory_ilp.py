@@ -11,12 +11,12 @@ Variables per group ``g``: ``keep[g,u]``, ``swap[g,u]`` per storage ``u`` and ``
 - a needed storage is held or its op re-runs: ``keep + swap + redo[maker(u)] ≥ 1`` (the layer input has no maker);
 - a re-run op finds its inputs: ``keep[u] + swap[u] + redo[maker(u)] ≥ redo[o]`` for each storage ``u`` it reads;
 - ``keep + swap ≤ 1``;
-- memory, for each in-flight vector ``n``: ``Σ_g n[chunk g] · count_g · Σ_u bytes_u keep[g,u] + W ≤ budget``,
-  where ``W ≥ Σ_{u needed} bytes_u redo[g, maker(u)] + 2 Σ_u bytes_u swap[g,u]`` for every group: the backward
-  working set of one layer, the saved tensors it re-makes in backward (a re-made tensor no backward reads is
-  freed as soon as its consumer has run) plus its swapped tensors back on the device and the next layer's
-  being prefetched (one max over the groups: with separate maxima for the re-made and the swapped bytes, HiGHS
-  took 7–13 s on the 718B's ranks instead of 1.4–2.8 s, and charged two different layers' worst cases at once);
+- memory, for each in-flight vector ``n``: ``Σ_g n[chunk g] · count_g · Σ_u bytes_u keep[g,u] + W + P ≤
+  budget``, where ``W ≥ Σ_{u needed} bytes_u redo[g, maker(u)] + Σ_u bytes_u swap[g,u]`` for every group (the
+  backward working set of one layer: the saved tensors it re-makes in backward, a re-made tensor no backward reads
+  being freed as soon as its consumer has run, plus its swapped tensors back on the device) and
+  ``P ≥ Σ_u bytes_u swap[g,u]`` for every group (the next layer's, prefetched meanwhile, which the runtime takes
+  from the same stage: any layer);
 - swap time the host link cannot hide: per chunk ``c`` and micro-batch, ``out_c ≥ B_c / bw − F_c`` and
   ``in_c ≥ B_c / bw − Bw_c`` (``B_c`` swapped bytes, ``F_c`` / ``Bw_c`` the chunk's forward / backward compute
   seconds: the copy out runs under the forward, the prefetch under the backward), ``≥ 0``.
@@ -25,7 +25,7 @@ Objective: the seconds added to the rank's step, ``m · Σ_c (Σ_{g in c} count_
 in_c)`` for ``m`` micro-batches, plus 1e-13 s per swapped byte so that a free choice keeps rather than swaps.
 
 Solved with HiGHS (math_opt) to a relative gap of 1%. Small problems take milliseconds. On the 718B at 30 GiB,
-``ilp-no-swap`` proves every rank in 0.07–0.61 s, but ``ilp`` proves only 7 of 16 ranks within 2 s
+``ilp-no-swap`` proves every rank in 0.07–0.60 s, but ``ilp`` proves only 7 of 16 ranks within 2 s
 (docs/memory.md §3). Each solve has a time limit. When it hits without a proof, HiGHS's best solution answers,
 flagged ``status="heuristic"`` with its gap in the reason. Without any solution, the greedy :func:`heuristic`
 answers.
@@ -103,16 +103,16 @@ def evaluate(problem: RankProblem, choices: Sequence[GroupChoice]) -> tuple[floa
     ``choices`` under ``problem``'s model (module docstring)."""
     fwd, bwd = _windows(problem)
     kept, swapped, redo = [0.0] * len(fwd), [0.0] * len(fwd), [0.0] * len(fwd)
-    work = 0.0
+    work = prefetch = 0.0
     for g, ch in zip(problem.groups, choices):
         kept[g.chunk] += g.count * ch.kept_bytes
         swapped[g.chunk] += g.count * ch.swapped_bytes
         redo[g.chunk] += g.count * ch.recompute_s
-        work = max(work, ch.remade_bytes + 2 * ch.swapped_bytes)
+        work, prefetch = max(work, ch.remade_bytes + ch.swapped_bytes), max(prefetch, ch.swapped_bytes)
     bw = problem.host_bandwidth
     exposed = tuple((max(0.0, s / bw - f), max(0.0, s / bw - b)) if bw else (0.0, 0.0)
                     for s, f, b in zip(swapped, fwd, bwd))
-    peak = max((sum(n * k for n, k in zip(v, kept)) for v in problem.in_flight), default=0.0) + work
+    peak = max((sum(n * k for n, k in zip(v, kept)) for v in problem.in_flight), default=0.0) + work + prefetch
     added = problem.microbatches * sum(r + o + i for r, (o, i) in zip(redo, exposed))
     return added, peak, exposed
 
@@ -156,6 +156,7 @@ def solve(problem: RankProblem, *, time_limit_s: float = 2.0) -> RankSolution:
     fwd, bwd = _windows(problem)
     kept, swapped, redo_s = [0.0] * len(fwd), [0.0] * len(fwd), [0.0] * len(fwd)
     work = model.add_variable(lb=0.0, name="working_set")
+    prefetch = model.add_variable(lb=0.0, name="prefetch")
     keep, swap, redo = {}, {}, {}
     for gi, g in enumerate(problem.groups):
         lt = g.layer
@@ -184,9 +185,10 @@ def solve(problem: RankProblem, *, time_limit_s: float = 2.0) -> RankSolution:
         swapped[g.chunk] += g.count * sw
         redo_s[g.chunk] += g.count * sum(o.seconds * redo[gi, o.name] for o in lt.ops)
         model.add_linear_constraint(work >= sum(t.bytes / GIB * redo[gi, maker[t.name]] for t in lt.tensors
-                                                if t.name in maker and t.needed) + 2 * sw)
+                                                if t.name in maker and t.needed) + sw)
+        model.add_linear_constraint(prefetch >= sw)
     for v in problem.in_flight:
-        model.add_linear_constraint(sum(n * k for n, k in zip(v, kept) if n) + work
+        model.add_linear_constraint(sum(n * k for n, k in zip(v, kept) if n) + work + prefetch
                                     <= problem.budget_bytes / GIB - FEASIBILITY_MARGIN_GIB)
     exposed = []
     for c in range(len(fwd)):

@@ -334,6 +334,7 @@ def layer_policy(probe: _Probe, ref: tuple[RefOp, ...], decisions: dict[str, Dec
 
     A saved runtime storage takes the traced name of the saved storage its creator's aligned reference op
     creates; failing that, of what the aligned reference op it is saved for saves at the same position; failing
+    that, when it is made outside a traced module and saved inside it, of that module's first input; failing
     that, :func:`_fallback_names`; a storage none of them names is kept. Where one creator makes storages with different decisions (or one
     storage has two names), the one that holds the most wins (keep, then swap, then recompute)."""
     pairs = _align([(r.path, r.op) for r in ref], probe.ops)
@@ -345,6 +346,14 @@ def layer_policy(probe: _Probe, ref: tuple[RefOp, ...], decisions: dict[str, Dec
         if j in pairs:
             for k, n in zip(saved, ref[pairs[j]].saves):
                 names.setdefault(k, n)
+    # else, a storage made outside a traced module and saved inside it is that module's input
+    module_reads = {r.path: r.reads for r in ref if r.module_call}
+    for j, saved in enumerate(probe.saves):
+        path = probe.ops[j][0]
+        for k in saved:
+            made_in = probe.ops[probe.creator[k]][0] if k in probe.creator else ""
+            if k not in names and module_reads.get(path) and not (made_in + ".").startswith(path + "."):
+                names[k] = module_reads[path][0]
     fallback = _fallback_names(probe, ref, pairs)
     for k, i in probe.creator.items():
         if k not in names and k in probe.saved and fallback[i] is not None:

@@ -87,7 +87,7 @@ def test_device_saved_bytes_follow_the_plan(plans, runs, name):
     budget = plans[name].memory.budget_bytes
     states = rank.params_bytes + rank.grads_bytes + rank.optimizer_bytes + rank.workspace_bytes
     peaks = [peak for _, peak, _ in runs[name]]
-    if name != "mixed":  # mixed: 1,969,152 B measured for 1,879,296 predicted, the plan at its budget: 0.8% over
+    if name != "mixed":  # mixed: 1,899,520 B measured for 1,881,344 predicted, the plan at its budget: 6 KB over
         assert max(peaks) + states <= budget
     assert max(peaks) == pytest.approx(rank.activation_bytes, rel=0.10)
     hosts = [host for _, _, host in runs[name]]
