@@ -98,7 +98,8 @@ class _Measured:
     gemm: tuple[int, int, int] | None
 
 
-def _storage_id(t: torch.Tensor) -> int:
+def storage_id(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage (views share it; valid on meta too), while the storage lives."""
     return t.untyped_storage()._cdata
 
 
@@ -106,7 +107,8 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _tensors(tree: object) -> list[torch.Tensor]:
+def tensors_of(tree: object) -> list[torch.Tensor]:
+    """The tensors in a pytree (an op's outputs or arguments), in order."""
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -161,13 +163,13 @@ class _SavedLog:
     the end (:meth:`internal`)."""
 
     def __init__(self, inputs: list[tuple[torch.Tensor, str | None]], params: list[torch.Tensor]) -> None:
-        self.param_ids = {_storage_id(p) for p in params}
-        self.input_ids = {_storage_id(t): name for t, name in inputs if name is not None}
+        self.param_ids = {storage_id(p) for p in params}
+        self.input_ids = {storage_id(t): name for t, name in inputs if name is not None}
         self.saved: list[tuple[weakref.ref, int, bool]] = []  # (tensor, storage bytes, not in ACT_DTYPE)
         self.producers: dict[str, None] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        sid = _storage_id(t)
+        sid = storage_id(t)
         if sid in self.input_ids:
             self.producers[self.input_ids[sid]] = None
         elif sid not in self.param_ids:
@@ -180,7 +182,7 @@ class _SavedLog:
         for ref, nbytes, fixed in self.saved:
             t = ref()
             if t is not None:
-                sid = _storage_id(t)
+                sid = storage_id(t)
                 live[sid] = (max(nbytes, live.get(sid, (0, False))[0]), fixed or live.get(sid, (0, False))[1])
         return sum(b for b, _ in live.values()), sum(b for b, f in live.values() if f)
 
@@ -209,7 +211,7 @@ def measure_node(run: Callable[[], object], inputs: list[tuple[torch.Tensor, str
     with torch.enable_grad(), log.hooks():
         out, fwd, fwd_k = _counted(run, _gemm_mapping(gemms))
     saved = log.internal()
-    outs = [o for o in _tensors(out) if o.is_floating_point()]
+    outs = [o for o in tensors_of(out) if o.is_floating_point()]
     with torch.enable_grad():
         dx, dx_k = _grad_flops(outs, [t for t, _ in inputs], retain=True)
         if any(p.requires_grad for p in params):
@@ -234,7 +236,8 @@ def measure_saved(run: Callable[[], object],
 
 
 # ---- one layer -----------------------------------------------------------------------------------------------------
-def _module_path(n: torch.fx.Node) -> str:
+def module_path(n: torch.fx.Node) -> str:
+    """The module an fx node runs in: a module call's own path, else the innermost module on its stack."""
     if n.op == "call_module":
         return str(n.target)
     stack = n.meta.get("nn_module_stack") or {}
@@ -311,7 +314,7 @@ class _CostProp(ShapeProp):
         def leaf(node: torch.fx.Node) -> object:
             value = self.env[node]
             if node.op == "get_attr":
-                params.extend(t for t in _tensors(value) if isinstance(t, nn.Parameter))
+                params.extend(t for t in tensors_of(value) if isinstance(t, nn.Parameter))
                 return value
             producer = None if node.op == "placeholder" and node.name != self.hidden_input else node.name
 
@@ -340,11 +343,11 @@ class _CostProp(ShapeProp):
             saved_bytes, saved_fixed, saved_inputs = measure_saved(lambda: core.fused_kernel(*args), inputs)
             causal, eager_inputs = core.causal, m.saved_inputs
         scale = 0.5 if causal else 1.0
-        outs, in_tensors = _tensors(out), [t for t, _ in inputs]
-        out_ids = {_storage_id(o) for o in outs}
-        is_view = bool(outs) and out_ids <= {_storage_id(t) for t in in_tensors}
-        view_of = next((name for t, name in inputs if _storage_id(t) in out_ids), None) if is_view else None
-        path = _module_path(n)
+        outs, in_tensors = tensors_of(out), [t for t, _ in inputs]
+        out_ids = {storage_id(o) for o in outs}
+        is_view = bool(outs) and out_ids <= {storage_id(t) for t in in_tensors}
+        view_of = next((name for t, name in inputs if storage_id(t) in out_ids), None) if is_view else None
+        path = module_path(n)
         return (OpAnnotation(
             name=n.name, op_kind=kind, module_path=path, layer_kind=self.kind, fwd_flops=m.fwd_flops * scale,
             bwd_input_flops=m.bwd_input_flops * scale, bwd_weight_flops=m.bwd_weight_flops,

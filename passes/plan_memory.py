@@ -20,7 +20,7 @@ fit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Sequence
 
 from moeplan.cost_models.memory import model_state_bytes, peak_live_bytes
 from moeplan.cost_models.saved_tensors import LayerTensors, layer_tensors
@@ -51,7 +51,8 @@ class PlanMemoryPass:
     """Device memory the plan may use, GiB (2^30 bytes); 0: ``budget_fraction`` of the usable memory
     (``--memory-budget``)."""
     time_limit_s: float = 2.0
-    """Seconds each ILP solve may take before the greedy answer is used (with a warning in the plan)."""
+    """Seconds each ILP solve may take; past it the solver's best solution is used (the greedy one when it has
+    none), and the plan marks the rank ``heuristic`` with the gap."""
     enforce: bool = True
     """False: never raise; a rank that fits under no allowed mode gets the last one tried (full, or the fixed
     mode), and the plan's memory says it does not fit (to price a published layout whose memory tricks moeplan
@@ -87,25 +88,23 @@ class PlanMemoryPass:
         return state.with_(memory=MemoryPlan(stages=tuple(stages), budget_bytes=budget))
 
 
-def recompute_working_set(state: PlanState, rank: int, mode: Recompute) -> int:
-    """Bytes one layer's backward re-makes under whole-layer ``mode`` (the largest on the rank): what it keeps
+def recompute_working_set(layers: Sequence[LayerCost], mode: Recompute) -> int:
+    """Bytes one layer's backward re-makes under whole-layer ``mode`` (the largest of ``layers``): what it keeps
     under ``none`` less what ``mode`` keeps. Charged on top of the in-flight activations, as the per-tensor
     modes charge theirs (moeplan/memory_ilp.py), so the two families are priced alike."""
-    assert state.sharding is not None and state.stages is not None
-    spec, costs = state.graph.spec, state.sharding.layer_costs
-    return max([0, *(saved_bytes(costs[kind_of(spec, n)], "none") - saved_bytes(costs[kind_of(spec, n)], mode)
-                     for names in state.stages.chunks[rank] for n in names)])
+    return max([0, *(saved_bytes(lc, "none") - saved_bytes(lc, mode) for lc in layers)])
 
 
 def rank_memory(state: PlanState, rank: int, mode: Recompute, actions: tuple[str, ...]) -> StageMemory:
     """Memory of one device of PP rank ``rank`` under whole-layer ``mode`` (bytes)."""
     assert state.sharding is not None and state.stages is not None
     spec, costs = state.graph.spec, state.sharding.layer_costs
-    stage_bytes = {state.stages.stage_of(rank, c): sum(saved_bytes(costs[kind_of(spec, n)], mode) for n in names)
-                   for c, names in enumerate(state.stages.chunks[rank])}
+    chunks = [[costs[kind_of(spec, n)] for n in names] for names in state.stages.chunks[rank]]
+    stage_bytes = {state.stages.stage_of(rank, c): sum(saved_bytes(lc, mode) for lc in lcs)
+                   for c, lcs in enumerate(chunks)}
     params, grads, opt, workspace = _model_states(state, rank)
     act, in_flight = peak_live_bytes(actions, stage_bytes)
-    act += recompute_working_set(state, rank, mode)
+    act += recompute_working_set([lc for lcs in chunks for lc in lcs], mode)
     return StageMemory(pp_rank=rank, recompute=mode, params_bytes=params, grads_bytes=grads, optimizer_bytes=opt,
                        activation_bytes=act, workspace_bytes=workspace, in_flight_microbatches=in_flight)
 

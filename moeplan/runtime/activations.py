@@ -45,11 +45,12 @@ import torch.fx
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
-from torch.utils.checkpoint import SAC_IGNORED_OPS
+from torch.utils.checkpoint import SAC_IGNORED_OPS, checkpoint
 
 from moeplan.ir import LayerKind, kind_of
 from moeplan.plan import Plan
 from moeplan.spec import ModelSpec
+from moeplan.trace import LeafTracer, module_path, representative_layer, storage_id, tensors_of
 
 Decision = Literal["keep", "recompute", "swap"]
 Action = Literal["save", "snapshot", "swap", "recompute"]
@@ -91,7 +92,6 @@ def reference_stream(spec_json: str, kind: LayerKind, seq_len: int) -> tuple[Ref
     """The aten ops the single-process layer of ``kind`` dispatches, in order, on the meta device (fp32), with
     what autograd saves for each."""
     from moeplan.models import build_layer
-    from moeplan.trace import LeafTracer, representative_layer
 
     spec = ModelSpec.model_validate_json(spec_json)
     module = build_layer(spec, representative_layer(spec, kind), device="meta", dtype=torch.float32)
@@ -100,13 +100,13 @@ def reference_stream(spec_json: str, kind: LayerKind, seq_len: int) -> tuple[Ref
     hidden = torch.empty(1, seq_len, spec.hidden_size, device="meta", requires_grad=True)
     inputs = {LayerKind.EMBEDDING: (tokens,), LayerKind.DENSE: (hidden,), LayerKind.MOE: (hidden,)}.get(
         kind, (hidden, tokens))
-    params = {_key(p) for p in module.parameters()}
+    params = {storage_id(p) for p in module.parameters()}
     ops: list[list] = []  # [node, path, op, saved storage keys]
     node: list[torch.fx.Node] = []
-    creator: dict[int, str | None] = {_key(t): None for t in inputs}  # storage -> node that created it
-    creator[_key(hidden)] = "hidden"
+    creator: dict[int, str | None] = {storage_id(t): None for t in inputs}  # storage -> node that created it
+    creator[storage_id(hidden)] = "hidden"
     made_by: dict[int, int] = {}  # storage -> index of the op that created it
-    outputs: dict[int, str] = {_key(hidden): "hidden"}  # storage -> node that returned it
+    outputs: dict[int, str] = {storage_id(hidden): "hidden"}  # storage -> node that returned it
     hold: list = []
     node_reads: dict[str, list[int]] = {}
 
@@ -116,21 +116,20 @@ def reference_stream(spec_json: str, kind: LayerKind, seq_len: int) -> tuple[Ref
             if func in SAC_IGNORED_OPS:
                 return out
             n = node[-1]
-            ops.append([n.name, str(n.target) if n.op == "call_module" else _fx_path(n), _op_name(func),
-                        saves.take(out)])
-            for t in _tensors(out):
-                if _key(t) not in creator:
-                    creator[_key(t)], made_by[_key(t)] = n.name, len(ops) - 1
+            ops.append([n.name, module_path(n), _op_name(func), saves.take(out)])
+            for t in tensors_of(out):
+                if storage_id(t) not in creator:
+                    creator[storage_id(t)], made_by[storage_id(t)] = n.name, len(ops) - 1
             hold.append(out)
             return out
 
     class Interp(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node):
             node.append(n)
-            node_reads[n.name] = [_key(t) for a in n.all_input_nodes for t in _tensors(self.env[a])]
+            node_reads[n.name] = [storage_id(t) for a in n.all_input_nodes for t in tensors_of(self.env[a])]
             out = super().run_node(n)
-            for t in _tensors(out):
-                outputs.setdefault(_key(t), n.name)
+            for t in tensors_of(out):
+                outputs.setdefault(storage_id(t), n.name)
             return out
 
     saves = _SaveLog(params)
@@ -169,19 +168,14 @@ class _SaveLog:
         """The op that produced ``out`` was dispatched: its saves so far (inputs), and the list its output saves
         will join."""
         self.current, self.pending = self.pending, []
-        self.last_outputs = {_key(t) for t in _tensors(out)}
+        self.last_outputs = {storage_id(t) for t in tensors_of(out)}
         return self.current
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        k = _key(t)
+        k = storage_id(t)
         if k not in self.params:
             (self.current if k in self.last_outputs else self.pending).append(k)
         return t
-
-
-def _fx_path(n: torch.fx.Node) -> str:
-    stack = n.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] if stack else ""
 
 
 def _op_name(func) -> str:  # noqa: ANN001 (an OpOverload)
@@ -189,16 +183,6 @@ def _op_name(func) -> str:  # noqa: ANN001 (an OpOverload)
 
 
 # ---- the probe -----------------------------------------------------------------------------------------------------
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def _tensors(tree) -> list[torch.Tensor]:  # noqa: ANN001
-    out: list[torch.Tensor] = []
-    tree_map(lambda x: out.append(x) if isinstance(x, torch.Tensor) else None, tree)
-    return out
-
-
 class _ModulePaths:
     """Forward pre/post hooks on every submodule of a layer: the innermost module path running now."""
 
@@ -254,9 +238,9 @@ class _Probe(TorchDispatchMode):
         self.ops.append((self.paths.path, _op_name(func)))
         self.funcs.append(func)
         self.saves.append(self.log.take(out))
-        inputs = {_key(t) for t in _tensors((args, kwargs))}
-        for t in _tensors(out):
-            k = _key(t)
+        inputs = {storage_id(t) for t in tensors_of((args, kwargs))}
+        for t in tensors_of(out):
+            k = storage_id(t)
             if k in inputs:
                 if func._schema.is_mutable:
                     self.mutated.add(k)
@@ -335,8 +319,9 @@ def layer_policy(probe: _Probe, ref: tuple[RefOp, ...], decisions: dict[str, Dec
     A saved runtime storage takes the traced name of the saved storage its creator's aligned reference op
     creates; failing that, of what the aligned reference op it is saved for saves at the same position; failing
     that, when it is made outside a traced module and saved inside it, of that module's first input; failing
-    that, :func:`_fallback_names`; a storage none of them names is kept. Where one creator makes storages with different decisions (or one
-    storage has two names), the one that holds the most wins (keep, then swap, then recompute)."""
+    that, :func:`_fallback_names`; a storage none of them names is kept. Where one creator makes storages with
+    different decisions (or one storage has two names), the one that holds the most wins (keep, then swap, then
+    recompute)."""
     pairs = _align([(r.path, r.op) for r in ref], probe.ops)
     names: dict[int, str] = {}
     for k, i in probe.creator.items():  # the storage an aligned op creates is the one its reference creates
@@ -454,7 +439,7 @@ class _Caching(TorchDispatchMode):
         kept = tree_map(lambda t: (t.detach().clone() if act == "snapshot" else t.detach())
                         if isinstance(t, torch.Tensor) else t, out)
         self.region.cache[i] = kept
-        for t in _tensors(kept):
+        for t in tensors_of(kept):
             meter.keep(t, self.region.device_record)
         return out
 
@@ -484,7 +469,7 @@ class _Cached(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         pol = r.policy
         if i < len(pol.actions) and pol.actions[i] == "recompute" and pol.storages[i] is not None:
-            for t in _tensors(out):
+            for t in tensors_of(out):
                 self.owner.meter.keep(t, r.device_record)
         return out
 
@@ -529,13 +514,11 @@ class PerTensorCalls:
 
     # ---- one layer --------------------------------------------------------------------------------------------
     def __call__(self, name: str, fn: Callable[..., torch.Tensor], args: tuple) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
         kind = self.kind_of[name]
-        decisions = self.decisions.get((self.chunk_of[name], kind.value), {})
+        key = (self.chunk_of[name], kind.value)
+        decisions = self.decisions.get(key, {})
         if kind in (LayerKind.EMBEDDING, LayerKind.EMPTY) or not decisions:
             return fn(*args)
-        key = (self.chunk_of[name], kind.value)
         if key not in self.policies:
             self.policies[key] = self._probe(name, fn, args, decisions)
         region = _Region(self.policies[key])
@@ -548,10 +531,10 @@ class PerTensorCalls:
         if decisions.get("hidden") != "swap" or not args or not isinstance(args[0], torch.Tensor):
             return run()
         # the layer input leaves with the region's inputs, which checkpoint saves through the outer hooks
-        target = _key(args[0])
+        target = storage_id(args[0])
 
         def pack(t: torch.Tensor) -> object:
-            if _key(t) != target:
+            if storage_id(t) != target:
                 return self.meter.pack(t)
             h = _Host(t, self.stream)
             region.host[-1 - len(region.host)] = h
@@ -573,7 +556,7 @@ class PerTensorCalls:
         kind = self.kind_of[name]
         module = self.modules[name]
         paths = _ModulePaths(module)
-        probe = _Probe(paths, params=frozenset(_key(p) for p in module.parameters()))
+        probe = _Probe(paths, params=frozenset(storage_id(p) for p in module.parameters()))
         copies = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
                        for a in args)
         try:

@@ -183,16 +183,16 @@ def predicted_host_bytes(plan: Plan, pp_rank: int) -> float:
     point of its action list (0 for a plan without swaps): per chunk, its layers' swapped bytes times the
     micro-batches in flight."""
     from moeplan.passes.plan_memory import in_flight_vectors
+    from moeplan.runtime.build import stage_ids
 
-    rank, pp = plan.memory.ranks[pp_rank], plan.layout.pp
-    chunks = plan.stages.chunks[pp_rank]
+    rank, chunks = plan.memory.ranks[pp_rank], plan.stages.chunks[pp_rank]
     per_chunk = [0.0] * len(chunks)
     for d in rank.decisions:
         per_chunk[d.chunk] += d.swapped_bytes * sum(1 for n in chunks[d.chunk] if kind_of(plan.model.spec, n).value
                                                     == d.kind)
     if not any(per_chunk):
         return 0.0
-    vectors = in_flight_vectors(tuple(plan.schedule.actions[pp_rank]), [c * pp + pp_rank for c in range(len(chunks))])
+    vectors = in_flight_vectors(tuple(plan.schedule.actions[pp_rank]), stage_ids(plan, pp_rank))
     return max(sum(n * b for n, b in zip(v, per_chunk)) for v in vectors)
 
 
