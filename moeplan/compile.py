@@ -1,7 +1,7 @@
 """Compile a model for a target into a Plan: trace, search layouts, run the pass pipeline, build the plan.
 
 Also turns a saved plan back into a PlanState (:func:`state_from_plan`) so ``moeplan simulate`` can re-simulate its
-decisions with freshly computed costs.
+decisions with freshly computed costs, and gives a plan's simulated step action by action (:func:`plan_timeline`).
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from moeplan import __version__
 from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline
 from moeplan.layout import Layout
 from moeplan.passes.shard import ShardPass
-from moeplan.passes.simulate import SimulatePass
+from moeplan.cost_models.timeline import Timeline, simulate
+from moeplan.passes.simulate import SimulatePass, run_settings, stage_programs
 from moeplan.plan import (SCHEMA_VERSION, Plan, PlanCollective, PlanComm, PlanCommClass, PlanExperts, PlanLayerCost,
                           PlanLayerDecisions, PlanLayout, PlanMemory, PlanModel, PlanOpDecision, PlanPrediction,
                           PlanProvenance, PlanRankMemory, PlanSchedule, PlanSharding, PlanStages)
@@ -53,8 +54,8 @@ def compile_model(*, spec: ModelSpec, target: Target, num_devices: int, fixed: F
 
 def _collective(c: CommOp) -> PlanCollective:
     return PlanCollective(comm_class=c.comm_class, kind=c.kind, phase=c.phase, bytes=c.bytes,
-                          group_size=c.group_size, tier=c.tier, time_s=c.time_s, wire_intra_bytes=c.wire_intra_bytes,
-                          wire_inter_bytes=c.wire_inter_bytes)
+                          group_size=c.group_size, tier=c.tier, time_s=c.time_s, wire_intra_bytes=round(c.wire_intra_bytes),
+                          wire_inter_bytes=round(c.wire_inter_bytes))
 
 
 def _plan_decisions(d: GroupChoice) -> PlanLayerDecisions:
@@ -94,23 +95,25 @@ def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: 
                                            collectives=[_collective(x) for x in c.comm])
                     for k, c in st.sharding.layer_costs.items()}),
         experts=PlanExperts(shards=[list(s) for s in st.experts.shards], groups_aligned=st.experts.groups_aligned),
-        memory=PlanMemory(budget_bytes=st.memory.budget_bytes, recompute=st.strategy.recompute, ranks=[
-            PlanRankMemory(pp_rank=m.pp_rank, recompute=m.recompute, params_bytes=m.params_bytes,
-                           grads_bytes=m.grads_bytes, optimizer_bytes=m.optimizer_bytes,
-                           activation_bytes=m.activation_bytes, workspace_bytes=m.workspace_bytes,
-                           total_bytes=m.total_bytes, in_flight_microbatches=m.in_flight_microbatches,
+        memory=PlanMemory(budget_bytes=round(st.memory.budget_bytes), recompute=st.strategy.recompute, ranks=[
+            PlanRankMemory(pp_rank=m.pp_rank, recompute=m.recompute, params_bytes=round(m.params_bytes),
+                           grads_bytes=round(m.grads_bytes), optimizer_bytes=round(m.optimizer_bytes),
+                           activation_bytes=round(m.activation_bytes), workspace_bytes=round(m.workspace_bytes),
+                           total_bytes=round(m.total_bytes), in_flight_microbatches=m.in_flight_microbatches,
                            decisions=[_plan_decisions(d) for d in m.decisions],
                            exposed_swap_s=[list(x) for x in m.exposed_swap_s], solve_status=m.solve_status,
                            solve_gap=m.solve_gap, solve_reason=m.solve_reason)
             for m in st.memory.stages]),
-        schedule=PlanSchedule(kind=st.schedule.kind, actions=[list(a) for a in st.schedule.actions]),
+        schedule=PlanSchedule.of(st.schedule.kind, st.schedule.actions),
         comm=PlanComm(dispatcher=st.strategy.dispatcher,
                       overlap=[m for m in MECHANISMS if m in st.strategy.overlap]),
         prediction=PlanPrediction(step_time_s=pred.step_time_s, tokens_per_s=pred.tokens_per_s, mfu=pred.mfu,
-                                  hfu=pred.hfu, bubble=pred.bubble, peak_memory_bytes=list(pred.peak_memory_bytes),
+                                  hfu=pred.hfu, bubble=pred.bubble, peak_memory_bytes=[round(b) for b in pred.peak_memory_bytes],
                                   exposed_comm_s=dict(pred.exposed_comm_s),
                                   model_flops_per_step=pred.model_flops_per_step,
-                                  comm={c: PlanCommClass(**v) for c, v in pred.comm.items()},
+                                  comm={c: PlanCommClass(**{**v, "intra_bytes": round(v["intra_bytes"]),
+                                                             "inter_bytes": round(v["inter_bytes"])})
+                                        for c, v in pred.comm.items()},
                                   host_wait_s=pred.host_wait_s, optimizer_s=pred.optimizer_s),
         provenance=PlanProvenance(moeplan_version=__version__, pipeline=pipeline,
                                   pass_s={"trace": trace_s, **dict(ev.pass_s)}, compile_s=compile_s))
@@ -155,3 +158,14 @@ def state_from_plan(plan: Plan) -> PlanState:
 def resimulate(plan: Plan) -> PlanState:
     """Re-simulate a saved plan's decisions; returns the state with a fresh prediction."""
     return SimulatePass().run(state_from_plan(plan))
+
+
+def plan_timeline(plan: Plan) -> Timeline:
+    """The simulated step of a saved plan's schedule, every action and segment recorded
+    (``simulate(..., detail=True)``: :class:`~moeplan.cost_models.timeline.Event` per action,
+    :class:`~moeplan.cost_models.timeline.SegmentEvent` per compute segment and collective, seconds from the step
+    start). The DP collectives and the optimizer step that follow the pipeline are not in it (passes/simulate.py
+    prices them apart)."""
+    state = state_from_plan(plan)
+    programs, _ = stage_programs(state)
+    return simulate(state.schedule.actions, stages=programs, settings=run_settings(state), detail=True)

@@ -32,11 +32,13 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
 
 def read_yaml(path: str | Path, *, field: str, error: type[MoeplanError]) -> object:
     """The YAML document in ``path``, read with a safe loader (nothing in it is executed). Raises ``error`` with one
-    line, ``{field}='{path}': ...``, when the file cannot be read or is not YAML."""
+    line, ``{field}='{path}': ...``, when the file cannot be read, is not UTF-8 text or is not YAML."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise error(f"{field}={str(path)!r}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{field}={str(path)!r}: not a text file (byte {e.start} is not UTF-8)") from None
     try:
         return yaml.load(text, Loader=_LOADER)
     except yaml.YAMLError as e:

@@ -7,11 +7,12 @@ Saving then loading gives an equal plan.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from moeplan.cost_models.timeline import compute_parts, parse_action
 from moeplan.files import read_yaml, write_atomic
@@ -21,202 +22,433 @@ from moeplan.names import Dispatcher, Mechanism, ScheduleKind
 from moeplan.spec import ModelSpec
 from moeplan.targets import Target
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MFU_DEFINITION = ("MFU = model FLOPs/s ÷ (devices × peak bf16 FLOP/s); model FLOPs per token by Megatron-LM's causal "
                   "count without MTP (docs/references.md §4.1)")
-# libyaml's C implementations of the *safe* dumper and loader when present (same rules, ~10x faster)
-_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # libyaml's C safe dumper when present (~10x faster)
+    """Lists of numbers and names in flow style (``[0, 1, 2]``), so that they take one line; lists of mappings,
+    of lists or of text (the schedule's lines) in block style."""
+
+
+_Dumper.add_representer(list, lambda d, data: d.represent_sequence(
+    "tag:yaml.org,2002:seq", data, flow_style=all(not isinstance(x, (list, dict)) and " " not in str(x) for x in data)))
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
 class PlanModel(_Frozen):
+    """The model the plan trains."""
+
     name: str
+    """Registry name or file the model came from."""
     fingerprint: str
+    """Hash of ``spec`` (16 hex digits): a plan whose spec was edited is refused."""
     spec: ModelSpec
+    """The model's architecture and training shape."""
 
 
 class PlanLayout(_Frozen):
+    """The parallel layout: how the devices are split (docs/architecture.md §3)."""
+
     tp: int = Field(ge=1)
+    """Tensor-parallel degree (ranks sharing each layer's weights)."""
     pp: int = Field(ge=1)
+    """Pipeline-parallel degree (PP ranks)."""
     vpp: int = Field(ge=1)
+    """Virtual pipeline chunks per PP rank (1: not interleaved)."""
     ep: int = Field(ge=1)
+    """Expert-parallel degree over the data-parallel ranks."""
     etp: int = Field(ge=1)
+    """Expert tensor-parallel degree: tp for expert-TP, 1 for TP-extend-EP."""
     cp: int = Field(ge=1)
+    """Context-parallel degree (the sequence split over ranks)."""
     dp: int = Field(ge=1)
+    """Data-parallel degree (model replicas)."""
     micro_batch: int = Field(ge=1)
+    """Sequences per micro-batch per data-parallel replica."""
     global_batch: int = Field(ge=1)
+    """Sequences per optimizer step over all replicas."""
     seq_len: int = Field(ge=1)
+    """Tokens per sequence."""
     num_devices: int = Field(ge=1)
+    """Devices the plan runs on: tp·cp·dp·pp."""
     num_microbatches: int = Field(ge=1)
+    """Micro-batches per step per replica: global_batch / (dp·micro_batch)."""
     sequence_parallel: bool
+    """Megatron-LM sequence parallelism: activations outside the TP matmuls split over the TP ranks."""
     tp_extend_ep: bool
+    """The expert group spans tp·ep ranks with unsplit experts (MindSpeed ``--moe-tp-extend-ep``; etp = 1 < tp)."""
 
 
 class PlanStages(_Frozen):
-    """``chunks[pp_rank][vpp_chunk]`` = layer names; pipeline stage of (r, c) is ``c·pp + r`` (``loop``) or, with
-    the ``v`` placement of ZB-V and DualPipeV, ``r`` for chunk 0 and ``2·pp − 1 − r`` for chunk 1."""
+    """The layers of each PP rank and VPP chunk. Pipeline stage of (r, c): ``c·pp + r`` (``loop``) or, with the
+    ``v`` placement of ZB-V and DualPipeV, ``r`` for chunk 0 and ``2·pp − 1 − r`` for chunk 1."""
 
     placement: Literal["loop", "v"] = "loop"
+    """How chunks map to pipeline stages (above)."""
     chunks: list[list[list[str]]]
+    """``chunks[pp_rank][vpp_chunk]``: layer names (``embedding``, ``layers.i``, ``mtp.j``, ``mtp_head.j``,
+    ``head``, ``empty.k``)."""
     chunk_time_s: list[list[float]]
+    """``[pp_rank][vpp_chunk]``: forward + backward seconds of one micro-batch on the chunk."""
     imbalance: float
+    """Slowest chunk time over the mean chunk time, minus 1."""
     empty_layers: list[str]
+    """Layers without weights added so that PP·VPP divides the layer count (MindSpeed ``--noop-layers``)."""
     reason: str
+    """Where the MTP layer and the empty layers went, and why."""
 
 
 class PlanCollective(_Frozen):
+    """One collective as priced, per rank."""
+
     comm_class: Literal["tp", "ep", "cp", "dp", "pp"]
+    """The parallel group it runs on."""
     kind: Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
+    """The collective."""
     phase: Literal["fwd", "bwd", "step"]
+    """Forward, backward, or once per step (the DP gradient and parameter collectives)."""
     bytes: int
+    """Payload, bytes: the tensor one rank holds before the op."""
     group_size: int
+    """Ranks in the group."""
     tier: Literal["intra", "inter"]
+    """The slowest link tier it crosses: within a node or between nodes."""
     time_s: float
-    wire_intra_bytes: float = 0.0  # bytes one rank sends over the intra-node link
-    wire_inter_bytes: float = 0.0  # ... and over the inter-node link
+    """Seconds the collective takes (alpha-beta model, cost_models/comm.py)."""
+    wire_intra_bytes: int = 0
+    """Bytes one rank sends over the intra-node link."""
+    wire_inter_bytes: int = 0
+    """Bytes one rank sends over the inter-node link."""
 
 
 class PlanLayerCost(_Frozen):
-    """One layer of a kind, one micro-batch, one device."""
+    """One layer of a kind, for one micro-batch on one device."""
 
     fwd_s: float
+    """Forward seconds on the compute stream, communication excluded."""
     bwd_input_s: float
+    """Backward seconds for the input gradient (dX)."""
     bwd_weight_s: float
+    """Backward seconds for the weight gradient (dW)."""
     params: int
+    """Parameters held by one device (a count)."""
     saved_bytes: int
+    """Activation bytes kept for backward without recompute."""
     collectives: list[PlanCollective]
+    """The in-layer collectives (TP/SP, EP dispatch/combine, CP), in order."""
 
 
 class PlanSharding(_Frozen):
+    """Per-layer-kind costs under the layout."""
+
     expert_shards: int
+    """Ranks the routed experts are split over: ep·tp/etp."""
     expert_dp: int
-    layers: dict[str, PlanLayerCost]  # by layer kind
+    """Data-parallel degree of the expert weights (ranks holding the same experts)."""
+    layers: dict[str, PlanLayerCost]
+    """By layer kind (embedding, dense, moe, mtp, mtp_head, head)."""
     p2p: PlanCollective
+    """One micro-batch's activations (or gradients) across one pipeline boundary."""
 
 
 class PlanExperts(_Frozen):
-    shards: list[list[int]]  # experts held by each rank of the expert group
+    """Placement of the routed experts."""
+
+    shards: list[list[int]]
+    """``shards[i]``: the experts held by rank i of the expert group (the same in every MoE layer)."""
     groups_aligned: bool
+    """Each expert group (MoGE) sits on whole shards, so group-balanced routing balances devices."""
 
 
 class PlanOpDecision(_Frozen):
-    """One op's decision: ``recompute`` or ``swap``, the bytes per layer and micro-batch it frees on the device,
-    and the Megatron-LM / MindSpeed-LLM flag that expresses it (null: none does)."""
+    """One op's decision under a per-tensor recompute mode."""
 
     op: str
+    """The traced op (fx node name)."""
     label: str
+    """The op in the field's terms (``kv up-projection``, ``core attention``, ``SwiGLU activation``, ...)."""
     decision: Literal["recompute", "swap"]
+    """Re-run in backward, or its output copied to host memory and fetched back before backward."""
     saved_bytes: int
+    """Device bytes the decision frees, per layer and micro-batch."""
     flag: str | None = None
+    """The Megatron-LM / MindSpeed-LLM flag that expresses it; null: neither has one."""
 
 
 class PlanLayerDecisions(_Frozen):
-    """A per-tensor mode's decision for the layers of one kind in one VPP chunk (bytes per layer and
-    micro-batch; seconds per layer and micro-batch): ops re-run in backward, storages swapped to host."""
+    """A per-tensor mode's decision for the layers of one kind in one VPP chunk."""
 
     chunk: int
+    """VPP chunk of the PP rank."""
     kind: str
+    """Layer kind."""
     recomputed: list[str]
+    """Ops re-run in backward."""
     swapped: list[str]
+    """Saved storages copied to host."""
     kept_bytes: int
+    """Bytes kept on the device per layer and micro-batch."""
     swapped_bytes: int
+    """Bytes copied to host per layer and micro-batch."""
     recompute_s: float
+    """Seconds re-run per layer and micro-batch."""
     remade_bytes: int
+    """Saved bytes the backward re-makes per layer (part of the backward working set)."""
     recompute_flops: float
+    """FLOPs re-run per layer and micro-batch (for HFU)."""
     ops: list[PlanOpDecision]
+    """Per op: its decision, the bytes it frees and its flag."""
 
 
 class PlanRankMemory(_Frozen):
+    """Memory of one device of a PP rank, at its fullest point of the step (docs/memory.md)."""
+
     pp_rank: int
+    """The PP rank."""
     recompute: Literal["none", "selective", "full", "mindspeed", "ilp-no-swap", "ilp"]
-    params_bytes: float
-    grads_bytes: float
-    optimizer_bytes: float
-    activation_bytes: float
-    workspace_bytes: float
-    total_bytes: float
+    """Recompute mode of the rank's layers."""
+    params_bytes: int
+    """Parameter bytes (bf16 weights)."""
+    grads_bytes: int
+    """Gradient bytes (fp32 main grads)."""
+    optimizer_bytes: int
+    """Optimizer-state bytes (fp32 master weights and Adam moments, sharded over DP: distributed optimizer)."""
+    activation_bytes: int
+    """Saved-activation bytes of the micro-batches in flight, plus one layer's backward working set."""
+    workspace_bytes: int
+    """Largest transient of one op: its output and its gradient alive at once."""
+    total_bytes: int
+    """The sum of the above."""
     in_flight_microbatches: int
-    decisions: list[PlanLayerDecisions] = []  # per-tensor modes only
-    exposed_swap_s: list[list[float]] = []  # per chunk: (copy out, prefetch) seconds per micro-batch not hidden
-    solve_status: str = ""  # optimal | heuristic | infeasible (moeplan/memory_ilp.py); "" for whole-layer modes
-    solve_gap: float = 0.0  # relative optimality gap of the solve; -1 when unknown (heuristic)
+    """Micro-batches whose activations are held at the fullest point."""
+    decisions: list[PlanLayerDecisions] = []
+    """Per (VPP chunk, layer kind) decisions; per-tensor modes only."""
+    exposed_swap_s: list[list[float]] = []
+    """Per chunk: (copy out, prefetch) seconds per micro-batch the host link does not hide."""
+    solve_status: str = ""
+    """optimal, heuristic or infeasible (the ILP, moeplan/memory_ilp.py); empty for the other modes."""
+    solve_gap: float = 0.0
+    """Relative optimality gap of the solve; −1 when unknown."""
     solve_reason: str = ""
+    """Why the solve is not optimal, when it is not."""
 
 
 class PlanMemory(_Frozen):
-    budget_bytes: float
-    recompute: Literal["auto", "none", "selective", "full", "mindspeed", "ilp-no-swap", "ilp"] = "auto"  # asked
+    """The memory decision of every PP rank."""
+
+    budget_bytes: int
+    """Device bytes the plan may use."""
+    recompute: Literal["auto", "none", "selective", "full", "mindspeed", "ilp-no-swap", "ilp"] = "auto"
+    """The recompute mode asked for (auto: the cheapest whole-layer mode that fits, per rank)."""
     ranks: list[PlanRankMemory]
+    """Per PP rank."""
 
 
 class PlanSchedule(_Frozen):
-    """Per PP rank, actions in torch.distributed.pipelining notation (``0F1``, ``0I1``, ``0SEND_F1``,
-    ``(0F3;7B1)OVERLAP_F_B``, ...)."""
+    """The pipeline schedule: per PP rank, its actions in torch.distributed.pipelining notation (``0F1``, ``0I1``,
+    ``0W1``, ``0SEND_F1``, ``(0F3;7B1)OVERLAP_F_B``, ...), stored one line per rank (:func:`encode_actions`)."""
 
     kind: ScheduleKind
-    actions: list[list[str]]
+    """Schedule family: 1f1b, interleaved, zero-bubble, zbv or dualpipev (docs/step-model.md §4)."""
+    p2p: Literal["derived", "listed"]
+    """``derived``: the lines hold the compute actions only, and every compute action whose neighbour stage is on
+    another rank gets its RECV right before it and its SEND right after (torch's ``_add_send_recv``);
+    ``listed``: the lines hold every action, p2p included."""
+    ranks: list[str]
+    """Per PP rank, its action list on one line: actions separated by spaces; ``A*N`` is action A then N − 1 more,
+    each with every micro-batch number one higher; ``<A B C>*N`` is the same for a block of actions."""
+    _actions: tuple[tuple[str, ...], ...] = PrivateAttr(default=())
+
+    @model_validator(mode="after")
+    def _decode(self) -> "PlanSchedule":
+        actions = [tuple(decode_actions(line, where=f"schedule.ranks[{r}]")) for r, line in enumerate(self.ranks)]
+        if self.p2p == "derived":
+            actions = _with_p2p(self.kind, actions)
+        self._actions = tuple(actions)
+        return self
+
+    @property
+    def actions(self) -> tuple[tuple[str, ...], ...]:
+        """Per PP rank, every action in order (compute and p2p)."""
+        return self._actions
+
+    @classmethod
+    def of(cls, kind: ScheduleKind, actions: Sequence[Sequence[str]]) -> "PlanSchedule":
+        """The schedule of per-rank ``actions``; ``derived`` when the p2p rule (see ``p2p``) reproduces them."""
+        compute = [tuple(a for a in acts if not _is_p2p(a)) for acts in actions]
+        derived = _with_p2p(kind, compute) == [tuple(a) for a in actions]
+        return cls(kind=kind, p2p="derived" if derived else "listed",
+                   ranks=[encode_actions(c if derived else a) for c, a in zip(compute, actions)])
+
+
+def _is_p2p(action: str) -> bool:
+    return "SEND_" in action or "RECV_" in action
+
+
+def _with_p2p(kind: ScheduleKind, compute: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
+    from moeplan.passes.schedule import placement_of, with_comms
+
+    stages = [p.stage for acts in compute for a in acts for p in compute_parts(a)]
+    return [with_comms(acts, pp=len(compute), num_stages=1 + max(stages, default=0), placement=placement_of(kind))
+            for acts in compute]
+
+
+_MICROBATCH = re.compile(r"(?<=[A-Z_])\d+")  # a micro-batch number follows its action kind; a stage number does not
+_RUN = re.compile(r"<([^<>]+)>\*(\d+)|(\S+)")
+
+
+def _shift(action: str, by: int) -> str:
+    return _MICROBATCH.sub(lambda m: str(int(m.group()) + by), action)
+
+
+def encode_actions(actions: Sequence[str], *, longest_block: int = 12) -> str:
+    """One line for an action list: runs of an action (or of a block of up to ``longest_block`` actions) repeated
+    with every micro-batch number one higher each time are written ``A*N`` / ``<A B>*N`` (``PlanSchedule.ranks``);
+    greedy, taking at each position the run that covers the most actions. ``decode_actions`` inverts it."""
+    out: list[str] = []
+    i, n = 0, len(actions)
+    while i < n:
+        best_k, best_r = 1, 1
+        for k in range(1, min(longest_block, (n - i) // 2) + 1):
+            r = 1
+            while i + (r + 1) * k <= n and all(_shift(actions[i + j], r) == actions[i + r * k + j] for j in range(k)):
+                r += 1
+            if r > 1 and k * r > best_k * best_r:
+                best_k, best_r = k, r
+        block = actions[i:i + best_k]
+        out.append(block[0] if best_r == 1 else f"{block[0]}*{best_r}" if best_k == 1
+                   else f"<{' '.join(block)}>*{best_r}")
+        i += best_k * best_r
+    return " ".join(out)
+
+
+def decode_actions(line: str, *, where: str = "schedule.ranks") -> list[str]:
+    """The action list of one ``PlanSchedule.ranks`` line. Raises PlanError naming ``where`` and the token on a
+    malformed run or action."""
+    out: list[str] = []
+    for m in _RUN.finditer(line):
+        block, count, token = m.group(1), m.group(2), m.group(3)
+        if token is not None:
+            block, _, count = token.rpartition("*") if "*" in token else ("", "", "1")
+            block = block or token
+        if not count.isdigit() or int(count) < 1:
+            raise PlanError(f"{where}: {m.group()!r} is not a run (A*N or <A B>*N, N >= 1)")
+        acts = block.split()
+        for a in acts:
+            try:
+                parse_action(a)
+            except PlanError:
+                raise PlanError(f"{where}: {a!r} is not an action (e.g. 0F1, 0B1, 0SEND_F1)") from None
+        out += [_shift(a, r) for r in range(int(count)) for a in acts]
+    return out
 
 
 class PlanComm(_Frozen):
     """The EP token dispatcher and the overlap mechanisms that are on (docs/step-model.md §2–3)."""
 
     dispatcher: Dispatcher = "flat"
+    """EP token dispatcher: flat all-to-all, hierarchical (inter-node all-gather, intra-node all-to-all) or dedup
+    (one copy of a token per node)."""
     overlap: list[Mechanism] = Field(default_factory=list)
+    """Overlap mechanisms on: shared-expert (beside the dispatch), fb (one micro-batch's forward with another's
+    backward), dp (gradient reduce-scatter during backward), pp (p2p beside compute)."""
 
 
 class PlanCommClass(_Frozen):
-    """One comm class over the step (averaged over PP ranks): seconds of its collectives, seconds the compute
-    stream waited on them, ``overlap_rate = 1 − exposed / total`` (None when it moved nothing), the same in the
-    steady state, and bytes one device sends per link tier."""
+    """One comm class over the step, averaged over PP ranks."""
 
     total_s: float
+    """Seconds of its collectives."""
     exposed_s: float
+    """Seconds the compute stream waited on them."""
     overlap_rate: float | None
+    """1 − exposed / total; null when the class moved nothing."""
     steady_total_s: float
+    """total_s in the steady state (between the pipeline's warm-up and cool-down)."""
     steady_exposed_s: float
+    """exposed_s in the steady state."""
     steady_overlap_rate: float | None
-    intra_bytes: float
-    inter_bytes: float
+    """overlap_rate in the steady state."""
+    intra_bytes: int
+    """Bytes one device sends over the intra-node link per step."""
+    inter_bytes: int
+    """Bytes one device sends over the inter-node link per step."""
 
 
 class PlanPrediction(_Frozen):
+    """What the simulation predicts for one training step (docs/step-model.md)."""
+
     step_time_s: float
+    """Seconds per optimizer step."""
     tokens_per_s: float
+    """Tokens trained per second over all devices: global_batch·seq_len / step_time_s."""
     mfu: float
+    """Model FLOPs utilization, a fraction (see mfu_definition)."""
     hfu: float
+    """Hardware FLOPs utilization: the FLOPs executed (recompute, MTP, router included) per second over peak."""
     bubble: float
-    peak_memory_bytes: list[float]
+    """Mean over PP ranks of the compute stream's idle time over the step, a fraction."""
+    peak_memory_bytes: list[int]
+    """Per PP rank, the device bytes at the fullest point (memory.ranks[r].total_bytes)."""
     exposed_comm_s: dict[str, float]
+    """Per comm class, seconds the compute stream waits on it (averaged over PP ranks)."""
     model_flops_per_step: float
+    """Model FLOPs of one step (the MFU numerator times the step time)."""
     comm: dict[str, PlanCommClass] = Field(default_factory=dict)
+    """Per comm class (tp, ep, cp, dp, pp): time, exposure, overlap and bytes."""
     host_wait_s: float = 0.0
+    """Mean over PP ranks, seconds the compute stream waited for the host to launch work."""
     optimizer_s: float = 0.0
+    """Seconds of the slowest rank's optimizer update (and the clipping all-reduce), after the DP collectives."""
     mfu_definition: str = MFU_DEFINITION
+    """How MFU is counted."""
 
 
 class PlanProvenance(_Frozen):
+    """How the plan was made."""
+
     moeplan_version: str
+    """moeplan's version."""
     pipeline: str
+    """The pass pipeline that ran, with its options."""
     pass_s: dict[str, float]
+    """Seconds spent in each pass (and the trace)."""
     compile_s: float
+    """Seconds the whole compile took."""
 
 
 class Plan(_Frozen):
+    """An execution plan: everything the runtime, the TUI and the exporters read (docs/architecture.md §6)."""
+
     schema_version: int
+    """Version of this schema; a plan of another version is refused."""
     model: PlanModel
+    """The model."""
     target: Target
+    """The device type and its cluster links."""
     layout: PlanLayout
+    """The parallel layout."""
     stages: PlanStages
+    """Layers per PP rank and VPP chunk."""
     sharding: PlanSharding
+    """Per-layer-kind costs under the layout."""
     experts: PlanExperts
+    """Routed-expert placement."""
     memory: PlanMemory
+    """Memory and recompute / swap decisions per PP rank."""
     schedule: PlanSchedule
+    """The pipeline schedule."""
     comm: PlanComm
+    """Dispatcher and overlap mechanisms."""
     prediction: PlanPrediction
+    """The predicted step."""
     provenance: PlanProvenance
+    """How the plan was made."""
 
 
 def plan_json_schema() -> dict:
@@ -226,7 +458,8 @@ def plan_json_schema() -> dict:
 
 def save_plan(plan: Plan, path: str | Path) -> None:
     """Write ``plan`` as YAML atomically: a temp file in the same folder, then rename."""
-    write_atomic(path, yaml.dump(plan.model_dump(mode="json"), Dumper=_DUMPER, sort_keys=False, width=120))
+    write_atomic(path, yaml.dump(plan.model_dump(mode="json"), Dumper=_Dumper, sort_keys=False, width=2**20,
+                                 allow_unicode=True))
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -241,8 +474,9 @@ def load_plan(path: str | Path) -> Plan:
         plan = Plan.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        raise PlanError(f"{field}={err.get('input')!r}: {err['msg']} (plan {path})") from None
+        field, value = ".".join(str(p) for p in err["loc"]), repr(err.get("input"))
+        where = f"{field}={value}" if len(value) <= 80 else field
+        raise PlanError(f"{where}: {err['msg'].removeprefix('Value error, ')} (plan {path})") from None
     check_plan(plan)
     return plan
 

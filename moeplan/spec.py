@@ -32,46 +32,87 @@ class ModelSpec(BaseModel):
     each an MoE decoder layer plus its projection ``2h → h``. Sizes are counts of elements, not bytes.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     name: str = Field(min_length=1)
+    """The model's name: the ``name`` in its YAML file if given, else its registry name or the file's stem (the
+    folder of a ``config.json``)."""
     vocab_size: int = Pos
+    """Vocabulary size, tokens: rows of the embedding and of the output layer."""
     hidden_size: int = Pos
+    """Hidden size ``h``, elements per token of the residual stream."""
     num_layers: int = Pos
+    """Decoder layers, a count: the ``num_dense_layers`` dense ones first, then MoE; MTP modules not included."""
     num_dense_layers: int = NonNeg()
+    """Leading decoder layers with a dense SwiGLU FFN instead of MoE, a count (HF ``first_k_dense_replace``)."""
     dense_ffn_size: int = NonNeg()
+    """Intermediate width of the dense layers' SwiGLU FFN, elements; 0 without dense layers."""
     # attention
     attention: Literal["mla", "gqa"]
+    """Attention kind: ``mla`` (multi-head latent attention, DeepSeek-V2/V3) or ``gqa`` (grouped-query; MHA when
+    ``num_kv_heads == num_heads``)."""
     num_heads: int = Pos
-    num_kv_heads: int = NonNeg()  # gqa only; 0 for mla
-    head_dim: int = NonNeg()  # gqa only
-    q_lora_rank: int = NonNeg()  # mla; 0 = no query compression
+    """Attention (query) heads per layer, a count."""
+    num_kv_heads: int = NonNeg()
+    """Key/value heads per layer, a count; gqa only, 0 for mla."""
+    head_dim: int = NonNeg()
+    """Width of one query/key/value head, elements; gqa only."""
+    q_lora_rank: int = NonNeg()
+    """Width of MLA's compressed query latent, elements; mla only, 0 = no query compression."""
     kv_lora_rank: int = NonNeg()
+    """Width of MLA's compressed key/value latent, elements; mla only."""
     qk_nope_head_dim: int = NonNeg()
+    """Per-head query/key width without RoPE (MLA), elements."""
     qk_rope_head_dim: int = NonNeg()
+    """Per-head query/key width that carries RoPE (MLA; the key part is shared by all heads), elements; even."""
     v_head_dim: int = NonNeg()
+    """Per-head value width (MLA), elements."""
     rope_theta: float = Field(default=10000.0, gt=0)
+    """RoPE base frequency θ, dimensionless."""
     # experts
     num_experts: int = NonNeg()
+    """Routed experts per MoE layer, a count; 0 for a dense model."""
     top_k: int = NonNeg()
+    """Routed experts each token is sent to, a count."""
     moe_ffn_size: int = NonNeg()
+    """Intermediate width of one routed expert's SwiGLU FFN, elements."""
     num_shared_experts: int = NonNeg()
-    shared_ffn_size: int = NonNeg()  # total width of all shared experts, merged
+    """Shared experts per MoE layer (every token goes through them), a count."""
+    shared_ffn_size: int = NonNeg()
+    """Total intermediate width of all shared experts, merged into one SwiGLU, elements; 0 without them."""
     router: Literal["sigmoid", "softmax"] = "softmax"
+    """The router's score function over the ``num_experts`` gate logits (computed in fp32)."""
     routing: Literal["topk", "group_limited", "moge"] = "topk"
+    """Expert choice: ``topk`` (plain top-k), ``group_limited`` (DeepSeek-V3 node-limited: only the ``topk_groups``
+    best groups) or ``moge`` (Pangu Pro MoE: top ``top_k / num_expert_groups`` in every group)."""
     num_expert_groups: int = Field(default=1, gt=0)
+    """Groups the routed experts are split into, a count; used by ``group_limited`` and ``moge`` routing."""
     topk_groups: int = Field(default=1, gt=0)
+    """Groups a token may pick its experts from, a count; ``group_limited`` routing only."""
     router_scale: float = Field(default=1.0, gt=0)
+    """Factor the gates are multiplied by after the top-k choice (HF ``routed_scaling_factor``), dimensionless."""
     norm_topk_prob: bool = True
-    capacity_factor: float | None = Field(default=None, gt=0)  # None = dropless
+    """Whether the chosen experts' gates are renormalised to sum to 1 (before ``router_scale``)."""
+    capacity_factor: float | None = Field(default=None, gt=0)
+    """Drop-and-pad expert capacity factor: each expert keeps ``ceil(capacity_factor · tokens · top_k /
+    num_experts)`` rows of a micro-batch, dimensionless; None = dropless."""
     # the rest
     num_mtp_layers: int = NonNeg()
+    """Multi-token-prediction modules after the decoder layers (DeepSeek-V3 §2.2), a count."""
     sandwich_norm: bool = False
+    """Whether every decoder layer also normalises the attention and MLP outputs (two more RMSNorms; Pangu Ultra MoE
+    "Depth-Scaled Sandwich-Norm", arXiv 2505.04519)."""
     norm_eps: float = Field(default=1e-5, gt=0)
+    """The RMSNorms' ε, added to the mean square, dimensionless."""
     tie_embeddings: bool = False
+    """Whether the output layer shares the embedding's weight."""
     # default training shape
     seq_len: int = Pos
+    """Training sequence length, tokens per sequence: the default shape, which ``compile --seq-len`` overrides (a
+    plan's spec holds the shape it was compiled for)."""
     global_batch: int = Pos
+    """Global batch of one training step, sequences: the default shape, which ``compile --global-batch``
+    overrides."""
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":

@@ -274,6 +274,32 @@ def optimizer_s(state: PlanState, rank: int) -> float:
     return norm_s(lay.world_size, tgt) + adam_s(dense / (lay.dp * lay.cp) + expert / lay.expert_dp, tgt) + _optimizer_launch_s(state, names)
 
 
+def stage_programs(state: PlanState) -> tuple[list[StageProgram], list[float]]:
+    """Per pipeline stage, the :class:`StageProgram` of one micro-batch under the plan's recompute decisions, and per
+    PP rank the FLOPs one micro-batch executes on one device (recompute included)."""
+    assert state.sharding and state.stages and state.memory
+    lay, spec = state.layout, state.graph.spec
+    costs = state.sharding.layer_costs
+    programs: list[StageProgram] = [None] * (lay.pp * lay.vpp)  # type: ignore[list-item]
+    flops_per_mb = [0.0] * lay.pp
+    for r in range(lay.pp):
+        mem = state.memory.stages[r]
+        mode = mem.recompute
+        for c, names in enumerate(state.stages.chunks[r]):
+            lcs = [costs[kind_of(spec, n)] for n in names]
+            if mode in OP_MODES:
+                ours = {LayerKind(d.kind): d for d in mem.decisions if d.chunk == c}
+                programs[state.stages.stage_of(r, c)] = stage_program(
+                    lcs, mode, sum(ours[x.kind].kept_bytes for x in lcs if x.kind in ours),
+                    redo_s={k: d.recompute_s for k, d in ours.items()}, swap_s=mem.exposed_swap_s[c])
+                flops_per_mb[r] += sum(x.executed_flops + (ours[x.kind].recompute_flops if x.kind in ours else 0)
+                                       for x in lcs)
+                continue
+            programs[state.stages.stage_of(r, c)] = stage_program(lcs, mode, sum(saved_bytes(x, mode) for x in lcs))
+            flops_per_mb[r] += sum(x.executed_flops + recompute_work(x, mode)[1] for x in lcs)
+    return programs, flops_per_mb
+
+
 @dataclass(frozen=True)
 class SimulatePass:
     """Simulate one PP group's step and fill ``prediction``. ``stop_above_s``: raise
@@ -287,24 +313,7 @@ class SimulatePass:
     def run(self, state: PlanState) -> PlanState:
         assert state.sharding and state.stages and state.memory and state.schedule
         lay, spec, tgt = state.layout, state.graph.spec, state.target
-        costs = state.sharding.layer_costs
-        programs: list[StageProgram] = [None] * (lay.pp * lay.vpp)  # type: ignore[list-item]
-        flops_per_mb = [0.0] * lay.pp
-        for r in range(lay.pp):
-            mem = state.memory.stages[r]
-            mode = mem.recompute
-            for c, names in enumerate(state.stages.chunks[r]):
-                lcs = [costs[kind_of(spec, n)] for n in names]
-                if mode in OP_MODES:
-                    ours = {LayerKind(d.kind): d for d in mem.decisions if d.chunk == c}
-                    programs[state.stages.stage_of(r, c)] = stage_program(
-                        lcs, mode, sum(ours[x.kind].kept_bytes for x in lcs if x.kind in ours),
-                        redo_s={k: d.recompute_s for k, d in ours.items()}, swap_s=mem.exposed_swap_s[c])
-                    flops_per_mb[r] += sum(x.executed_flops + (ours[x.kind].recompute_flops if x.kind in ours else 0)
-                                           for x in lcs)
-                    continue
-                programs[state.stages.stage_of(r, c)] = stage_program(lcs, mode, sum(saved_bytes(x, mode) for x in lcs))
-                flops_per_mb[r] += sum(x.executed_flops + recompute_work(x, mode)[1] for x in lcs)
+        programs, flops_per_mb = stage_programs(state)
         tl = simulate(state.schedule.actions, stages=programs, settings=run_settings(state),
                       stop_above_s=self.stop_above_s)
         overlap = "dp" in state.strategy.overlap

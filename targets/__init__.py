@@ -19,72 +19,91 @@ from moeplan.names import DISPATCHERS, MECHANISMS, SCHEDULES, Dispatcher, Mechan
 
 
 class Link(BaseModel):
-    """One link tier: per-device unidirectional bandwidth (bytes/s) and per-message latency (s) — the α–β model."""
+    """One link tier (inside a node or between nodes) in the α–β model of cost_models/comm.py."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
     bandwidth_bytes_per_s: float = Field(gt=0)
+    """β⁻¹: per-device unidirectional bandwidth of the tier (all of the device's links of it together), bytes/s."""
     latency_s: float = Field(ge=0)
+    """α: latency of one message, paid once per step of a collective's algorithm, seconds."""
 
 
 class Efficiency(BaseModel):
-    """Achievable fraction of peak: compute (cube/vector), HBM and links. Defaults from Ascend/msmodeling.
+    """Achievable fractions of peak: compute (cube/vector), HBM and links. Defaults from Ascend/msmodeling."""
 
-    ``attention_fwd`` / ``attention_bwd``: the fused attention kernel's forward and backward fraction of the bf16
-    peak, when a source gives it (None: ``compute``). ``gemm_m`` / ``fp8_gemm_m``: the grouped expert GEMM's
-    throughput at M tokens per local expert as a fraction of its throughput at large M, ``[[M, fraction], ...]``
-    ascending, interpolated in log M (None: the padded-tile model of cost_models/compute.py); ``gemm_k0``: a GEMM's
-    pipeline fill and epilogue in elements of K (its main loop runs at ``K/(K + K0)``), with ``compute`` then the
-    plateau at M ≥ 4096 and long K.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
     compute: float = Field(default=0.7, gt=0, le=1)
+    """Fraction (0–1) of its unit's peak (``cube_flops``, ``fp8_flops``, ``vector_flops``) an op reaches; with a
+    ``gemm_m`` curve, a GEMM's plateau at M ≥ 4096 and long K."""
     memory: float = Field(default=0.6, gt=0, le=1)
+    """Fraction (0–1) of ``hbm_bandwidth_bytes_per_s`` a memory-bound pass reaches (ops, FP8 casts, the Adam
+    update)."""
     comm: float = Field(default=0.7, gt=0, le=1)
+    """Fraction (0–1) of a link's ``bandwidth_bytes_per_s`` a collective reaches, on both tiers."""
     attention_fwd: float | None = Field(default=None, gt=0, le=1)
+    """Fraction (0–1) of the bf16 peak ``cube_flops`` the fused attention kernel's forward reaches, when a source
+    gives it; None: ``compute``."""
     attention_bwd: float | None = Field(default=None, gt=0, le=1)
+    """Fraction (0–1) of the bf16 peak the fused attention backward (dX) reaches, on FlashAttention's count of 2.5×
+    the forward's FLOPs (cost_models/compute.py); None: ``compute`` on the traced FLOPs."""
     gemm_m: tuple[tuple[int, Annotated[float, Field(gt=0, le=1)]], ...] | None = None
+    """A GEMM's throughput at M rows per device (the tokens per local expert for the grouped expert GEMM) as a
+    fraction (0–1) of its plateau, ``[[M, fraction], ...]`` ascending M, interpolated in log M and clamped; applies
+    to every matrix-unit GEMM but attention. None: the padded-tile model of cost_models/compute.py."""
     fp8_gemm_m: tuple[tuple[int, Annotated[float, Field(gt=0, le=1)]], ...] | None = None
+    """As ``gemm_m``, for the GEMMs that run in FP8 (``training_dtype`` fp8; a fraction of ``fp8_flops``'s
+    plateau). None: the padded-tile model for them."""
     gemm_k0: float | None = Field(default=None, gt=0)
+    """A GEMM's pipeline fill and epilogue, elements of K: its main loop runs at ``K/(K + K0)``; used only with a
+    ``gemm_m`` / ``fp8_gemm_m`` curve. None: no K factor."""
 
 
 CommKind = Literal["p2p", "all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
 
 
 class LaunchCost(BaseModel):
-    """Fixed cost per kernel or collective launch, seconds (Ascend/msmodeling: 5 µs matmul, 2 µs other, 10 µs comm).
+    """Fixed costs per kernel or collective launch, seconds (Ascend/msmodeling: 5 µs matmul, 2 µs other, 10 µs comm).
 
-    ``granularity`` says what one launch is on this target's runtime:
-
-    - ``"op"`` (default; accelerators with production kernels): one launch per traced IR op — a fused kernel (flash
-      attention, RMSNorm, grouped matmul) is one launch however many aten ops its eager reference has; ``matmul_s``
-      for matrix-unit ops, ``other_s`` otherwise, in forward and again per backward part (dX, dW).
-    - ``"kernel"`` (an eager runtime, the ``cpu`` emulator): every aten op the node dispatches pays a fixed cost, and
-      forward and backward kernels differ: ``forward_kernel_s`` includes recording the autograd graph,
-      ``backward_kernel_s`` the autograd engine's per-node work (measured by ``moeplan calibrate``). The kernel
-      counts come from the trace (``OpAnnotation.fwd_kernels`` etc.).
-
-    ``host_launch_s``: host (CPU) time to issue one kernel on an ``"op"`` target (framework dispatch + driver
-    launch); ``host_sync_s``: the host's extra cost at a device-to-host synchronisation (the dropless dispatcher's
-    count copy). 0 where unknown: the host then never limits the device (cost_models/timeline.py).
-
-    ``collective_latency_s`` (calibrated targets): the measured fixed cost of one 2-rank collective of each listed
-    kind (``p2p``, ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``), link latency and launch
-    included; a listed kind costs that, times its α step count at n ranks over that at 2, instead of
-    ``steps·α + collective_s`` (cost_models/comm.py). ``moeplan calibrate`` measures it per kind because gloo's
-    collectives differ more than the α–β step counts say (its reduce-scatter costs as much as an all-reduce).
+    ``moeplan calibrate`` measures the ``cpu`` emulator's: its kernel costs, and a 2-rank latency per collective
+    kind because gloo's collectives differ more than the α–β step counts say (its reduce-scatter costs as much as an
+    all-reduce).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
     matmul_s: float = Field(default=5e-6, ge=0)
+    """Device time per launch of a matrix-unit op on an ``"op"`` target, paid in the forward and again in each
+    backward part (dX, dW), seconds."""
     other_s: float = Field(default=2e-6, ge=0)
+    """Device time per launch of a vector-unit op on an ``"op"`` target (and of an FP8 cast pass), as
+    ``matmul_s``, seconds."""
     collective_s: float = Field(default=10e-6, ge=0)
+    """Fixed cost of one collective or p2p transfer beside its α–β time (cost_models/comm.py), unless
+    ``collective_latency_s`` lists its kind, seconds."""
     granularity: Literal["op", "kernel"] = "op"
+    """What one launch is on this target's runtime.
+
+    ``"op"`` (accelerators with production kernels): one launch per traced IR op — a fused kernel (flash attention,
+    RMSNorm, grouped matmul) is one launch however many aten ops its eager reference has — at ``matmul_s`` or
+    ``other_s``. ``"kernel"`` (an eager runtime, the ``cpu`` emulator): every aten op the node dispatches pays
+    ``forward_kernel_s`` or ``backward_kernel_s``, the kernel counts coming from the trace
+    (``OpAnnotation.fwd_kernels`` etc.).
+    """
     forward_kernel_s: float = Field(default=0.0, ge=0)
+    """Cost per forward aten kernel on a ``"kernel"`` target, recording the autograd graph included (also each
+    kernel of the eager optimizer step), seconds."""
     backward_kernel_s: float = Field(default=0.0, ge=0)
+    """Cost per backward kernel on a ``"kernel"`` target: the autograd engine's per-node work included (also each
+    gradient fan-out add and AccumulateGrad), seconds."""
     host_launch_s: float = Field(default=0.0, ge=0)
+    """Host (CPU) time to issue one kernel or collective on an ``"op"`` target (framework dispatch + driver
+    launch), seconds; 0 where unknown: the host then never limits the device (cost_models/timeline.py)."""
     host_sync_s: float = Field(default=0.0, ge=0)
+    """The host's extra time at a device-to-host synchronisation (the dropless dispatcher's token-count copy) on an
+    ``"op"`` target, seconds; 0 where unknown."""
     collective_latency_s: dict[CommKind, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+    """Measured fixed cost of one 2-rank collective per kind (calibrated targets), link latency and launch included,
+    seconds; a listed kind costs that times its α step count at n ranks over that at 2, instead of
+    ``steps·α + collective_s`` (cost_models/comm.py)."""
 
 
 class RuntimeSupport(BaseModel):
@@ -92,41 +111,62 @@ class RuntimeSupport(BaseModel):
     outside them is refused). Accelerators run plans through Megatron-LM / MindSpeed-LLM, which have all of them;
     the ``cpu`` emulator runs moeplan's own runtime."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
     schedules: tuple[ScheduleKind, ...] = SCHEDULES
+    """Pipeline schedules the runtime executes (1f1b, interleaved, zero-bubble, zbv, dualpipev)."""
     dispatchers: tuple[Dispatcher, ...] = DISPATCHERS
+    """EP token dispatchers the runtime executes: ``flat`` all-to-all, MindSpeed's ``hierarchical`` all-to-all-v,
+    ``dedup`` (DeepEP-style, one copy per destination node)."""
     overlap: tuple[Mechanism, ...] = MECHANISMS
+    """Overlap mechanisms the runtime executes: ``shared-expert`` (shared experts beside dispatch/combine), ``fb``
+    (one micro-batch's forward beside another's backward), ``dp`` (gradient reduce-scatter and parameter all-gather
+    beside compute), ``pp`` (p2p beside compute)."""
 
 
 class Target(BaseModel):
-    """A device type and its cluster links.
+    """A device type and its cluster links."""
 
-    ``fp8_flops``: dense FP8 peak of the matrix unit (None: no FP8). ``training_dtype`` ``fp8`` runs the decoder
-    layers' GEMMs in FP8 at that peak and keeps the rest in bf16 (DeepSeek-V3 arXiv 2412.19437 §3.3).
-    ``comm_compute_slowdown``: how much slower compute runs while a collective of the device is in flight (a
-    fraction; 0 where unknown).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
     name: str
+    """The target's name, e.g. ``ascend-910b`` (a shipped target's file stem)."""
     backend: Literal["cpu", "cuda", "npu"]
+    """The torch device type the runtime uses: ``cpu`` (gloo), ``cuda`` (NCCL) or ``npu`` (HCCL)."""
     devices_per_node: int = Field(gt=0)
-    memory_bytes: float = Field(gt=0)  # device memory (HBM) per device
-    usable_memory_fraction: float = Field(default=0.9, gt=0, le=1)  # the rest: framework, fragmentation
+    """Devices per node, a count: a group within one node uses the ``intra_node`` link, else ``inter_node``."""
+    memory_bytes: float = Field(gt=0)
+    """Device memory (HBM) per device, bytes."""
+    usable_memory_fraction: float = Field(default=0.9, gt=0, le=1)
+    """Fraction (0–1) of ``memory_bytes`` a plan may fill; the rest: framework, fragmentation."""
     hbm_bandwidth_bytes_per_s: float = Field(gt=0)
-    cube_flops: float = Field(gt=0)  # dense bf16 peak of the matrix unit (tensor cores / Ascend cube)
+    """Device memory (HBM) bandwidth per device, bytes/s."""
+    cube_flops: float = Field(gt=0)
+    """Dense bf16 peak of the matrix unit (tensor cores / Ascend cube) per device, FLOP/s; also MFU's peak."""
     fp8_flops: float | None = Field(default=None, gt=0)
-    vector_flops: float = Field(gt=0)  # peak of the vector unit
-    matmul_alignment: int = Field(default=16, gt=0)  # GEMM dims off a multiple of this lose efficiency
-    host_bandwidth_bytes_per_s: float = Field(gt=0)  # device<->host copies (swap)
+    """Dense FP8 peak of the matrix unit per device, FLOP/s; None: no FP8."""
+    vector_flops: float = Field(gt=0)
+    """Peak of the vector unit per device, FLOP/s."""
+    matmul_alignment: int = Field(default=16, gt=0)
+    """GEMM tile edge, elements: GEMM dims off a multiple of this lose efficiency."""
+    host_bandwidth_bytes_per_s: float = Field(gt=0)
+    """Device↔host copy bandwidth per device (activation swap), bytes/s."""
     intra_node: Link
+    """The link between devices of one node."""
     inter_node: Link
+    """The link between nodes, per device."""
     efficiency: Efficiency = Efficiency()
+    """Achievable fractions of the compute, HBM and link peaks."""
     launch: LaunchCost = LaunchCost()
-    training_dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"  # as the runtime trains (fp8: GEMMs only)
+    """Fixed per-launch costs and their granularity."""
+    training_dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    """The dtype the runtime trains in; ``fp8`` runs the decoder layers' GEMMs in FP8 at ``fp8_flops`` and keeps
+    the rest in bf16 (DeepSeek-V3 arXiv 2412.19437 §3.3)."""
     comm_compute_slowdown: float = Field(default=0.0, ge=0)
+    """How much slower compute runs while a collective of the device is in flight, a fraction (0.33: 33% longer
+    for the overlapping time); 0 where unknown."""
     runtime: RuntimeSupport = RuntimeSupport()
+    """The schedules, dispatchers and overlap mechanisms the target's runtime executes."""
     variant: str | None = None
+    """The variant of the target file chosen (e.g. ``313t``), None for none."""
 
     @property
     def usable_memory_bytes(self) -> float:

@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from moeplan.plan import SCHEMA_VERSION
+
 
 def moeplan(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "moeplan.cli", *args], capture_output=True, text=True, cwd=cwd)
@@ -91,7 +93,7 @@ def test_edited_plan_refused(tmp_path):
     assert moeplan("compile", "tiny-pangu", "--target", "cpu", "--devices", "2", "--pp", "2", "-o",
                    str(out)).returncode == 0
     text = out.read_text()
-    (tmp_path / "v.yaml").write_text(text.replace("schema_version: 2", "schema_version: 7"))
+    (tmp_path / "v.yaml").write_text(text.replace(f"schema_version: {SCHEMA_VERSION}", "schema_version: 7"))
     assert_one_line_error(moeplan("simulate", str(tmp_path / "v.yaml")), 2, "schema_version=7")
     (tmp_path / "a.yaml").write_text(text.replace("- 0F0", "- 0X0", 1))
     assert_one_line_error(moeplan("simulate", str(tmp_path / "a.yaml")), 2, "'0X0' is not an action")

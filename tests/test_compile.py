@@ -92,6 +92,10 @@ def test_follow_ups_correct_each_estimate_by_what_its_class_measured():
 def test_plan_round_trip_and_resimulate(tmp_path, pangu_fixed):
     path = tmp_path / "plan.yaml"
     save_plan(pangu_fixed.plan, path)
+    text = path.read_text()
+    # a plan a person can read (issue 10): compact, the schedule one line per rank, no escaped characters
+    assert len(text.encode()) < 60_000 and len(text.splitlines()) < 2_000 and "\\" not in text
+    assert pangu_fixed.plan.schedule.p2p == "derived"
     loaded = load_plan(path)
     assert loaded == pangu_fixed.plan
     again = resimulate(loaded).prediction

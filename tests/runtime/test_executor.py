@@ -18,7 +18,7 @@ import torch
 
 from moeplan.compile import compile_model
 from moeplan.cost_models.timeline import parse_action
-from moeplan.plan import Plan, save_plan
+from moeplan.plan import Plan, PlanSchedule, save_plan
 from moeplan.runtime.data import global_batch
 from moeplan.search import Fixed
 from moeplan.spec import load_spec
@@ -55,7 +55,7 @@ def make_plan(devices: int, fixed: dict, recompute: tuple[str, ...] | str | None
         return plan
     if recompute == "IW":
         split = [[x for a in acts for x in _split_backward(a)] for acts in plan.schedule.actions]
-        return plan.model_copy(update={"schedule": plan.schedule.model_copy(update={"actions": split})})
+        return plan.model_copy(update={"schedule": PlanSchedule.of(plan.schedule.kind, split)})
     ranks = [r.model_copy(update={"recompute": mode}) for r, mode in zip(plan.memory.ranks, recompute)]
     return plan.model_copy(update={"memory": plan.memory.model_copy(update={"ranks": ranks})})
 
