@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from moeplan.plan import load_plan, save_plan, SCHEMA_VERSION
+from moeplan.plan import SCHEMA_VERSION, PlanSchedule, encode_actions, load_plan, save_plan
 from moeplan.runtime.calibrate import LOADED_BYTES, LOADED_OPS, fit_alpha_launch
 from moeplan.runtime.data import stdlib_tokens
 from moeplan.targets import load_target
@@ -45,19 +45,28 @@ def _edited(root: Path, name: str, edit) -> str:
     return str(path)
 
 
-def _swap_first_b_for_w(data):
-    actions = data["schedule"]["actions"][0]
-    actions[actions.index("0B0")] = "0W0"
+def _actions(edit):
+    """An edit of the plan's per-rank action lists (written back with every action listed)."""
+    def apply(data):
+        sched = PlanSchedule.model_validate(data["schedule"])
+        actions = [list(a) for a in sched.actions]
+        edit(actions)
+        data["schedule"] = {"kind": sched.kind, "p2p": "listed", "ranks": [encode_actions(a) for a in actions]}
+    return apply
+
+
+def _swap_first_b_for_w(actions):
+    actions[0][actions[0].index("0B0")] = "0W0"
 
 
 EDITS = {
-    "unknown_action": (lambda d: d["schedule"]["actions"][0].insert(0, "0X1"), "'0X1' is not an action"),
+    "unknown_action": (_actions(lambda a: a[0].insert(0, "0X1")), "'0X1' is not an action"),
     "layer_on_two_ranks": (lambda d: d["stages"]["chunks"][1][0].insert(0, "layers.0"),
                            "layer 'layers.0' is on pp rank 0 and pp rank 1"),
     "device_count": (lambda d: d["layout"].update(num_devices=4), "layout.num_devices=4: must equal"),
     "schema_version": (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), f"schema_version={SCHEMA_VERSION + 1}"),
-    "missing_recv": (lambda d: d["schedule"]["actions"][1].remove("1RECV_F0"), "0SEND_F0 and 1RECV_F0"),
-    "w_without_i": (_swap_first_b_for_w, "stage 0 micro-batch 0 has 1 F, 0 B, 0 I, 1 W"),
+    "missing_recv": (_actions(lambda a: a[1].remove("1RECV_F0")), "0SEND_F0 and 1RECV_F0"),
+    "w_without_i": (_actions(_swap_first_b_for_w), "stage 0 micro-batch 0 has 1 F, 0 B, 0 I, 1 W"),
     "expert_twice": (lambda d: d["experts"].update(shards=[[0, 0, 1, 2, 3, 4, 5, 6]]), "every expert 0..7"),
 }
 
