@@ -1,4 +1,4 @@
-"""The ``moeplan`` command line: compile, explore, describe, simulate, schema, run.
+"""The ``moeplan`` command line: compile, explore, describe, simulate, schema, run, diff, inspect, timeline.
 
 Errors in user input exit 2 and a plan that cannot fit exits 3, each with one line on stderr and no traceback
 (docs/architecture.md §8.7); output files are written atomically.
@@ -363,6 +363,50 @@ def calibrate_cmd(target: str = typer.Option("cpu", "--target", help="base targe
               f"α {tgt.intra_node.latency_s * 1e6:.0f} us · under load " + ", ".join(
                   f"{k} {v * 1e6:.0f} us" for k, v in sorted(tgt.launch.collective_latency_s.items())))
     out.print(f"calibrated target written to {output}")
+
+
+@app.command("diff")
+def diff_cmd(plan_a: str = typer.Argument(..., metavar="A"), plan_b: str = typer.Argument(..., metavar="B"),
+             as_json: bool = typer.Option(False, "--json", help="print the differences as JSON")) -> None:
+    """Differences of plan B from plan A: model, layout, stages, memory, schedule, comm and prediction."""
+    from moeplan.diff import diff_json, diff_plans, load_side, render_diff
+
+    d = diff_plans(load_side(plan_a, "A"), load_side(plan_b, "B"), label_a=plan_a, label_b=plan_b)
+    if as_json:
+        out.print_json(json.dumps(diff_json(d)))
+        return
+    render_diff(out, d)
+
+
+@app.command("inspect")
+def inspect_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
+                static: bool = typer.Option(False, "--static", help="print every view as tables (implied when stdout "
+                                                                     "is not a terminal)")) -> None:
+    """Browse PLAN in the terminal: overview, stages, memory, timeline, comm (docs/inspect.md)."""
+    from moeplan.plan import load_plan
+    from moeplan.views import print_static
+
+    plan = load_plan(plan_path)
+    if static or not sys.stdout.isatty():
+        print_static(out, plan)
+        return
+    from moeplan.tui import InspectApp
+
+    InspectApp(plan).run()
+
+
+@app.command("timeline")
+def timeline_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
+                 output: str = typer.Option(..., "-o", "--output", help="write the Chrome / Perfetto trace JSON here"),
+                 png: Optional[str] = typer.Option(None, "--png", help="also draw the Gantt and memory PNG here")
+                 ) -> None:
+    """Write PLAN's simulated step as a trace for ui.perfetto.dev or chrome://tracing (docs/timeline.md)."""
+    from moeplan.gantt import write_timeline
+    from moeplan.plan import load_plan
+
+    st = write_timeline(load_plan(plan_path), output, png)
+    out.print(f"{len(st.slices):,} events on {sum(map(len, st.tracks))} tracks of {len(st.tracks)} PP ranks, step "
+              f"{st.step_s * 1e3:,.3f} ms: {output}" + (f"; Gantt: {png}" if png else ""), soft_wrap=True)
 
 
 def main() -> None:

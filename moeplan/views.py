@@ -1,0 +1,436 @@
+"""``moeplan inspect``'s views of a plan as rich renderables: overview, stages, memory, timeline and comm.
+
+Pure functions of the plan (and, for the timeline, of its simulated step from :func:`moeplan.compile.plan_timeline`):
+the textual app (``moeplan/tui.py``) shows them one per tab and ``moeplan inspect --static`` prints them, so both
+show the same content. Nothing here imports textual. Units: seconds, bytes (shown in binary units, GiB = 2^30 B).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from rich.console import Console, Group, RenderableType
+from rich.rule import Rule
+from rich.table import Table
+from rich.text import Text
+
+from moeplan.errors import PlanError
+from moeplan.flops import count_params
+from moeplan.plan import Plan
+from moeplan.render import compact
+
+VIEWS = ("overview", "stages", "memory", "timeline", "comm")
+COMPUTE_STYLES = {"F": "green", "B": "blue", "I": "cyan", "W": "magenta", "OVERLAP_F_B": "yellow"}
+COMPUTE_GLYPHS = {"F": "F", "B": "B", "I": "I", "W": "W", "OVERLAP_F_B": "O"}
+CATEGORY_NAMES = {"F": "forward", "B": "backward (dX + dW)", "I": "input grad (dX)", "W": "weight grad (dW)",
+                  "OVERLAP_F_B": "F&B pair (OVERLAP_F_B)", "swap": "exposed swap"}
+CLASS_STYLES = {"tp": "bright_magenta", "ep": "bright_red", "cp": "bright_yellow", "dp": "bright_blue",
+                "pp": "bright_green", "swap": "bright_white"}
+LABEL_WIDTH = 13  # columns of the lane names left of the Gantt
+
+
+def fmt_s(x: float) -> str:
+    """Seconds as ``1.234 s``, ``12.3 ms`` or ``45 µs``."""
+    if x == 0 or abs(x) >= 1:
+        return f"{x:.3f} s" if x else "0 s"
+    if abs(x) >= 1e-3:
+        return f"{x * 1e3:.1f} ms"
+    return f"{x * 1e6:.0f} µs"
+
+
+def unit_of(x: float) -> tuple[str, float]:
+    """The binary unit to show ``x`` bytes in, and its size: GiB, MiB, KiB or B."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= scale:
+            return unit, scale
+    return "B", 1
+
+
+def fmt_bytes(x: float) -> str:
+    """Bytes in binary units: ``47.1 GiB``, ``7.4 MiB``, ``132.0 KiB``, ``512 B``, ``0``."""
+    unit, scale = unit_of(x)
+    return f"{x / scale:.{0 if unit == 'B' else 1}f} {unit}" if x else "0"
+
+
+def _rate(x: float | None) -> str:
+    return "–" if x is None else f"{x:.0%}"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def stage_of(plan: Plan, rank: int, chunk: int) -> int:
+    """Pipeline stage of VPP chunk ``chunk`` on PP rank ``rank`` (the rule of :class:`moeplan.plan.PlanStages`)."""
+    pp = plan.layout.pp
+    if plan.stages.placement == "v":
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+# --- overview ---------------------------------------------------------------------------------------------------
+
+def overview(plan: Plan) -> Group:
+    """Model, target, layout, strategy and the predicted step (step time, tokens/s, MFU with the plan's definition,
+    HFU, bubble, peak memory per PP rank against the budget, exposed communication per class)."""
+    lay, pred, tgt = plan.layout, plan.prediction, plan.target
+    params = count_params(plan.model.spec)
+    t = Table(title="plan", show_header=False, title_justify="left", expand=True)
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column()
+    t.add_row("model", f"{plan.model.name} · {_params(params.total)} parameters, {_params(params.activated)} "
+                       f"activated per token (MTP excluded; + {_params(params.mtp)} MTP)")
+    t.add_row("target", f"{tgt.name}{':' + tgt.variant if tgt.variant else ''} ({tgt.backend}) · "
+                        f"{lay.num_devices} devices, {tgt.devices_per_node} per node · "
+                        f"{fmt_bytes(tgt.memory_bytes)} and {tgt.cube_flops / 1e12:.0f} TFLOP/s bf16 each")
+    t.add_row("layout", f"tp {lay.tp} · pp {lay.pp} · vpp {lay.vpp} · ep {lay.ep} · etp {lay.etp} · cp {lay.cp} · "
+                        f"dp {lay.dp} · micro_batch {lay.micro_batch}"
+                        f"{' · sequence parallel' if lay.sequence_parallel else ''}")
+    t.add_row("batch", f"global batch {lay.global_batch} sequences × seq len {lay.seq_len} = "
+                       f"{lay.global_batch * lay.seq_len:,} tokens per step · {lay.num_microbatches} micro-batches "
+                       f"per PP group")
+    t.add_row("schedule", plan.schedule.kind)
+    t.add_row("dispatcher", plan.comm.dispatcher)
+    t.add_row("overlap", ", ".join(plan.comm.overlap) or "none")
+    p = Table(title="predicted step", show_header=False, title_justify="left", expand=True)
+    p.add_column(style="bold", no_wrap=True)
+    p.add_column()
+    p.add_row("step time", fmt_s(pred.step_time_s))
+    p.add_row("tokens/s", f"{pred.tokens_per_s:,.0f}")
+    p.add_row("MFU", Text(f"{pred.mfu:.1%}  ") + Text(pred.mfu_definition, style="dim"))
+    p.add_row("HFU", Text(f"{pred.hfu:.1%}  ") + Text("executed FLOPs, recompute and MTP included", style="dim"))
+    p.add_row("bubble", f"{pred.bubble:.2%} of the step the compute stream idles for the pipeline")
+    budget = plan.memory.budget_bytes
+    unit, scale = unit_of(max(pred.peak_memory_bytes))
+    peak = Text(f"budget {fmt_bytes(budget)}; per pp rank (rank:{unit}) ")
+    for r, b in enumerate(pred.peak_memory_bytes):
+        peak.append(f"{r}:{b / scale:.1f}", style="bold red" if b > budget else "")
+        peak.append("  ")
+    p.add_row("peak memory", peak)
+    p.add_row("exposed comm", " · ".join(f"{k} {fmt_s(v)}" for k, v in pred.exposed_comm_s.items() if v) or "none")
+    if pred.host_wait_s:
+        p.add_row("host wait", fmt_s(pred.host_wait_s))
+    if pred.optimizer_s:
+        p.add_row("optimizer", fmt_s(pred.optimizer_s))
+    return Group(t, p)
+
+
+# --- stages -----------------------------------------------------------------------------------------------------
+
+def bottleneck(plan: Plan) -> tuple[int, int]:
+    """``(pp_rank, chunk)``: the PP rank whose chunks take the most time per micro-batch (the sum of its
+    ``stages.chunk_time_s``), and within it the slowest chunk. Every micro-batch passes every rank, so in steady
+    state the pipeline runs no faster than this rank."""
+    times = plan.stages.chunk_time_s
+    rank = max(range(len(times)), key=lambda r: sum(times[r]))
+    return rank, max(range(len(times[rank])), key=lambda c: times[rank][c])
+
+
+def _layers(names: list[str]) -> Text:
+    items = compact([n for n in names if not n.startswith("empty.")]).split(", ") if len(names) else []
+    out = Text(", ").join(Text(i, style="magenta" if i.startswith("mtp") else "") for i in items if i)
+    empty = sum(n.startswith("empty.") for n in names)
+    if empty:
+        out.append(f"{', ' if out else ''}{empty} empty", style="italic dim")
+    return out
+
+
+def stages(plan: Plan) -> Table:
+    """PP ranks × VPP chunks: each chunk's pipeline stage, layers (MTP in magenta, empty layers counted in italics)
+    and forward + backward seconds per micro-batch; per rank the total and the peak memory. The bottleneck
+    (:func:`bottleneck`) is highlighted: its row in bold on red, its slowest chunk marked ▶."""
+    lay, times = plan.layout, plan.stages.chunk_time_s
+    worst_rank, worst_chunk = bottleneck(plan)
+    t = Table(title=f"stages ({plan.stages.placement} placement; slowest chunk {plan.stages.imbalance:+.1%} over "
+                    f"the mean)", expand=True,
+              caption=f"bottleneck (highlighted): pp rank {worst_rank}, the rank whose chunks take the most time per "
+                      f"micro-batch ({fmt_s(sum(times[worst_rank]))}); ▶ marks its slowest chunk, {worst_chunk} "
+                      f"({fmt_s(times[worst_rank][worst_chunk])}). Times are forward + backward per micro-batch.")
+    t.add_column("pp rank", no_wrap=True)
+    for c in range(lay.vpp):
+        t.add_column(f"chunk {c}")
+    t.add_column("Σ time", no_wrap=True)
+    t.add_column("peak mem", no_wrap=True)
+    for r, chunks in enumerate(plan.stages.chunks):
+        cells = []
+        for c, names in enumerate(chunks):
+            cell = Text(f"{'▶ ' if (r, c) == (worst_rank, worst_chunk) else ''}stage {stage_of(plan, r, c)} · "
+                        f"{fmt_s(times[r][c])}\n", style="bold" if (r, c) == (worst_rank, worst_chunk) else "")
+            cells.append(cell + _layers(names))
+        t.add_row(str(r), *cells, fmt_s(sum(times[r])), fmt_bytes(plan.prediction.peak_memory_bytes[r]),
+                  style="bold on dark_red" if r == worst_rank else None, end_section=True)
+    return t
+
+
+def stages_view(plan: Plan) -> Group:
+    """The stages table and the partition pass's reason."""
+    return Group(stages(plan), Text(plan.stages.reason, style="dim"))
+
+
+# --- memory -----------------------------------------------------------------------------------------------------
+
+def _bar(parts: list[tuple[float, str]], budget: float, width: int = 16) -> Text:
+    """A bar of ``width`` cells for ``budget`` bytes, one colored run per (bytes, style); red past the budget."""
+    out, used = Text(), 0
+    for b, style in parts:
+        n = round(b / budget * width)
+        out.append("█" * n, style=style)
+        used += n
+    if used < width:
+        out.append("·" * (width - used), style="dim")
+    return out
+
+
+def memory(plan: Plan) -> Group:
+    """Per PP rank: model states (params, grads, optimizer) vs activations vs workspace against the budget, the
+    recompute mode and in-flight micro-batches; the memory solver's status per rank; for the per-tensor modes
+    every recompute / swap decision with the bytes it frees per layer and micro-batch and its Megatron-LM /
+    MindSpeed-LLM flag (docs/memory.md §4)."""
+    mem = plan.memory
+    budget = mem.budget_bytes
+    unit, scale = unit_of(max(m.total_bytes for m in mem.ranks))
+    t = Table(title=f"memory per device in {unit} (budget {budget / scale:.2f} {unit}; recompute asked: "
+                    f"{mem.recompute})", expand=True,
+              caption="bar: model states (params + grads + optimizer) █ blue, activations █ green, workspace █ "
+                      "yellow, · free, against the budget; (N mb): micro-batches whose activations are held at the peak")
+    for col in ("pp rank", "recompute", "params", "grads", "optimizer", "activations", "workspace", "total",
+                "budget", ""):
+        t.add_column(col, no_wrap=True, justify="left" if col in ("recompute", "") else "right")
+    for m in mem.ranks:
+        states = m.params_bytes + m.grads_bytes + m.optimizer_bytes
+        t.add_row(str(m.pp_rank), m.recompute, *(f"{x / scale:.2f}" for x in (
+                      m.params_bytes, m.grads_bytes, m.optimizer_bytes)),
+                  f"{m.activation_bytes / scale:.2f} ({m.in_flight_microbatches} mb)",
+                  f"{m.workspace_bytes / scale:.2f}", f"{m.total_bytes / scale:.2f}",
+                  Text(f"{m.total_bytes / budget:.0%}", style="bold red" if m.total_bytes > budget else ""),
+                  _bar([(states, "blue"), (m.activation_bytes, "green"), (m.workspace_bytes, "yellow")], budget))
+    parts: list[RenderableType] = [t]
+    solved = [m for m in mem.ranks if m.solve_status]
+    if solved:
+        s = Table(title="memory solver (per-tensor modes, moeplan/memory_ilp.py)")
+        for col in ("pp rank", "status", "gap", "exposed swap / mb", "note"):
+            s.add_column(col)
+        for m in solved:
+            swap = sum(a + b for a, b in m.exposed_swap_s)
+            s.add_row(str(m.pp_rank), m.solve_status, "unknown" if m.solve_gap < 0 else f"{m.solve_gap:.2%}",
+                      fmt_s(swap), m.solve_reason)
+        parts.append(s)
+    decided = [(m.pp_rank, d) for m in mem.ranks for d in m.decisions if d.ops]
+    if decided:
+        d = Table(title="recompute / swap decisions (bytes freed per layer and micro-batch)")
+        for col in ("pp rank", "chunk", "layer kind", "op", "decision", "frees", "flag"):
+            d.add_column(col)
+        for r, dec in decided:
+            for op in dec.ops:
+                d.add_row(str(r), str(dec.chunk), dec.kind, op.label or op.op,
+                          Text(op.decision, style="cyan" if op.decision == "recompute" else "bright_white"),
+                          fmt_bytes(op.saved_bytes), op.flag or Text("none", style="dim"))
+        parts.append(d)
+    return Group(*parts)
+
+
+# --- comm -------------------------------------------------------------------------------------------------------
+
+def comm(plan: Plan) -> Table:
+    """Per comm class (``prediction.comm``): bytes one device sends per link tier, total and exposed seconds over
+    the step and the overlap rate ``1 − exposed / total`` (docs/references.md §4.4), and the same in the steady
+    state (docs/step-model.md §2)."""
+    t = Table(title=f"communication per step (dispatcher {plan.comm.dispatcher}; overlap "
+                    f"{', '.join(plan.comm.overlap) or 'none'})",
+              caption="bytes one device sends per step; steady state: the schedule's middle (its overlapped F&B "
+                      "pairs, or first backward to last forward); exposed = the compute stream waited on it",
+              expand=True)
+    for col in ("class", "intra-node", "inter-node", "total", "exposed", "overlap", "steady total", "steady exposed",
+                "steady overlap"):
+        t.add_column(col, no_wrap=True)
+    for cls, c in plan.prediction.comm.items():
+        t.add_row(Text(cls, style=CLASS_STYLES.get(cls, "")), fmt_bytes(c.intra_bytes), fmt_bytes(c.inter_bytes),
+                  fmt_s(c.total_s), fmt_s(c.exposed_s), _rate(c.overlap_rate), fmt_s(c.steady_total_s),
+                  fmt_s(c.steady_exposed_s), _rate(c.steady_overlap_rate))
+    return t
+
+
+# --- timeline ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Intervals:
+    """Busy intervals of one category in one lane, as sorted starts and sorted ends (seconds) with their prefix
+    sums, so the busy time before any instant is two binary searches (:meth:`busy_before`)."""
+
+    starts: np.ndarray
+    ends: np.ndarray
+    cum_starts: np.ndarray
+    cum_ends: np.ndarray
+
+    @staticmethod
+    def of(spans: list[tuple[float, float]]) -> "Intervals":
+        s = np.sort(np.array([a for a, _ in spans], dtype=float))
+        e = np.sort(np.array([b for _, b in spans], dtype=float))
+        return Intervals(s, e, np.concatenate(([0.0], np.cumsum(s))), np.concatenate(([0.0], np.cumsum(e))))
+
+    def busy_before(self, t: np.ndarray) -> np.ndarray:
+        """Σ over intervals of their length before each instant of ``t``: Σ min(end, t) − Σ min(start, t)."""
+        def sum_min(x: np.ndarray, cum: np.ndarray) -> np.ndarray:
+            k = np.searchsorted(x, t, side="right")
+            return cum[k] + (len(x) - k) * t
+        return sum_min(self.ends, self.cum_ends) - sum_min(self.starts, self.cum_starts)
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One row of the Gantt: a PP rank's compute stream, one of its link tiers (``intra``/``inter``) or its
+    exposed swap; busy intervals per category (F, B, I, W, OVERLAP_F_B; or a comm class; or ``swap``)."""
+
+    rank: int
+    stream: str
+    cats: dict[str, Intervals]
+
+
+@dataclass(frozen=True)
+class Gantt:
+    """A plan's simulated step as lanes (:func:`gantt_of`); ``step_s``: the simulated step's length in seconds
+    (the pipeline only: the DP collectives and optimizer step after it are not simulated here)."""
+
+    step_s: float
+    lanes: tuple[Lane, ...]
+
+
+def gantt_of(plan: Plan) -> Gantt:
+    """Simulate ``plan``'s step (:func:`moeplan.compile.plan_timeline`; seconds for a 718B plan) and bucket it into
+    lanes: per PP rank, its compute stream (F/B/I/W actions; both parts of an OVERLAP_F_B pair as OVERLAP_F_B), each link tier its collectives and
+    p2p SENDs hold, colored by comm class (read from the stage programs, :func:`moeplan.passes.simulate.
+    stage_programs`), and — when the plan has any — the exposed swap: ``memory.ranks[r].exposed_swap_s[chunk]``
+    (copy out, prefetch) seconds at the end of each forward and the start of each backward of that chunk, where
+    the simulator places them (passes/simulate.py ``stage_program``)."""
+    from moeplan.compile import plan_timeline, state_from_plan
+    from moeplan.cost_models.timeline import compute_parts, parse_action
+    from moeplan.passes.simulate import stage_programs
+
+    tl = plan_timeline(plan)
+    programs, _ = stage_programs(state_from_plan(plan))
+    pp = plan.layout.pp
+    spans: dict[tuple[int, str, str], list[tuple[float, float]]] = {}
+    p2p_tiers = plan.sharding.p2p.tier.split("+")
+    paired = {(r, f"{p.stage}{p.kind}{p.microbatch}") for r, acts in enumerate(plan.schedule.actions)
+              for a in acts if a.startswith("(") for p in compute_parts(a)}  # parts of OVERLAP_F_B pairs
+    for e in tl.events:  # a pair's parts are two events that overlap in time
+        if e.stream == "compute":
+            kind = "OVERLAP_F_B" if (e.rank, e.action) in paired else parse_action(e.action).kind
+            spans.setdefault((e.rank, "compute", kind), []).append((e.start_s, e.end_s))
+        elif e.stream == "comm" and e.end_s > e.start_s:
+            for tier in p2p_tiers:
+                spans.setdefault((e.rank, tier, "pp"), []).append((e.start_s, e.end_s))
+    parts: dict[tuple[int, str], tuple[float, float]] = {}
+    for s in tl.segment_events:
+        if s.stream == "compute":
+            a, b = parts.get((s.rank, s.part), (s.start_s, s.end_s))
+            parts[(s.rank, s.part)] = (min(a, s.start_s), max(b, s.end_s))
+            continue
+        action = parse_action(s.part)
+        cls = programs[action.stage].phase(action.kind)[s.index].comm.comm_class
+        for tier in s.stream.split("+"):
+            spans.setdefault((s.rank, tier, cls), []).append((s.start_s, s.end_s))
+    chunk_of = {stage_of(plan, r, c): c for r in range(pp) for c in range(plan.layout.vpp)}
+    swapping = {m.pp_rank: m.exposed_swap_s for m in plan.memory.ranks if any(map(any, m.exposed_swap_s))}
+    for (rank, part), (start, end) in parts.items():
+        if rank not in swapping:
+            continue
+        (action,) = compute_parts(part)
+        out_s, fetch_s = swapping[rank][chunk_of[action.stage]]
+        span = (end - out_s, end) if action.kind == "F" else (start, start + fetch_s) if action.kind != "W" else None
+        if span and span[1] > span[0]:
+            spans.setdefault((rank, "swap", "swap"), []).append(span)
+    lanes = []
+    for r in range(pp):
+        for stream in ("compute", "intra", "inter", "swap"):
+            cats = {k[2]: Intervals.of(v) for k, v in sorted(spans.items()) if k[:2] == (r, stream)}
+            if cats or stream == "compute":
+                lanes.append(Lane(rank=r, stream=stream, cats=cats))
+    return Gantt(step_s=tl.step_time_s, lanes=tuple(lanes))
+
+
+def _glyph(cat: str) -> str:
+    return COMPUTE_GLYPHS.get(cat, cat[0])
+
+
+def _style(cat: str) -> str:
+    return COMPUTE_STYLES.get(cat) or CLASS_STYLES.get(cat, "white")
+
+
+def scale_line(start_s: float, end_s: float, width: int) -> str:
+    """The visible window and its scale, e.g. ``0 s – 7.507 s · 62.6 ms per column``."""
+    return f"{fmt_s(start_s)} – {fmt_s(end_s)} · {fmt_s((end_s - start_s) / width)} per column"
+
+
+def _axis(start_s: float, end_s: float, width: int) -> Text:
+    step = max(12, width // 8)
+    line = [" "] * width
+    for col in range(0, width - 6, step):
+        label = "|" + fmt_s(start_s + (end_s - start_s) * col / width).replace(" ", "")
+        line[col:col + len(label)] = label
+    return Text(" " * LABEL_WIDTH + "".join(line)[:width], style="dim")
+
+
+def gantt_text(g: Gantt, start_s: float, end_s: float, width: int) -> Text:
+    """Draw lanes over ``[start_s, end_s]`` in ``width`` columns: each cell shows the category that is busy longest
+    in it — its glyph on its color when busy at least half the cell, the glyph alone when less, ``·`` when idle.
+    Lines: the scale, a time axis, one line per lane, the legend. Raises PlanError on an empty window."""
+    if not end_s > start_s or width < 1:
+        raise PlanError(f"window=({start_s}, {end_s}) x {width} columns: needs end > start and width >= 1")
+    edges = np.linspace(start_s, end_s, width + 1)
+    cell = (end_s - start_s) / width
+    out = Text(scale_line(start_s, end_s, width) + "\n", style="bold")
+    out.append_text(_axis(start_s, end_s, width))
+    seen: set[str] = set()
+    for lane in g.lanes:
+        out.append("\n")
+        out.append(f"r{lane.rank} {lane.stream}".ljust(LABEL_WIDTH)[:LABEL_WIDTH],
+                   style="bold" if lane.stream == "compute" else "dim")
+        if not lane.cats:
+            out.append("·" * width, style="dim")
+            continue
+        names = list(lane.cats)
+        busy = np.stack([np.diff(lane.cats[n].busy_before(edges)) for n in names])
+        best, amount = busy.argmax(axis=0), busy.max(axis=0)
+        for col in range(width):
+            if amount[col] <= 0:
+                out.append("·", style="dim")
+                continue
+            cat = names[best[col]]
+            seen.add(cat)
+            full = amount[col] >= cell / 2
+            out.append(_glyph(cat), style=f"bold black on {_style(cat)}" if full else _style(cat))
+    out.append("\n")
+    legend = [c for c in (*COMPUTE_STYLES, *CLASS_STYLES) if c in seen]
+    for c in legend:
+        out.append(f" {_glyph(c)} ", style=f"bold black on {_style(c)}")
+        out.append(f" {CATEGORY_NAMES.get(c, c + ' comm')}  ")
+    return out
+
+
+def timeline_caption(plan: Plan) -> Text:
+    """What the Gantt shows and leaves out."""
+    return Text(f"One PP group's simulated step ({plan.schedule.kind}); lanes per pp rank: compute stream, link "
+                f"tiers (collectives and p2p SENDs by comm class), exposed swap. The DP collectives and the "
+                f"optimizer step that follow the pipeline are not drawn (exposed dp "
+                f"{fmt_s(plan.prediction.exposed_comm_s.get('dp', 0.0))}, optimizer "
+                f"{fmt_s(plan.prediction.optimizer_s)}).", style="dim")
+
+
+# --- static output ----------------------------------------------------------------------------------------------
+
+def print_static(console: Console, plan: Plan) -> None:
+    """Every view, one after the other, as ``moeplan inspect --static`` prints it (the timeline over the whole
+    step at the console's width; simulating it takes seconds on a 718B plan)."""
+    console.print(Rule("overview"))
+    console.print(overview(plan))
+    console.print(Rule("stages"))
+    console.print(stages_view(plan))
+    console.print(Rule("memory"))
+    console.print(memory(plan))
+    console.print(Rule("timeline"))
+    g = gantt_of(plan)
+    console.print(gantt_text(g, 0.0, g.step_s, max(20, console.width - LABEL_WIDTH)), crop=False, soft_wrap=True)
+    console.print(timeline_caption(plan))
+    console.print(Rule("comm"))
+    console.print(comm(plan))
