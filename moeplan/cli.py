@@ -1,4 +1,4 @@
-"""The ``moeplan`` command line: compile, explore, describe, simulate, schema, run, diff, inspect, timeline.
+"""The ``moeplan`` command line: compile, explore, describe, simulate, schema, run, diff, inspect, timeline, export.
 
 Errors in user input exit 2 and a plan that cannot fit exits 3, each with one line on stderr and no traceback
 (docs/architecture.md §8.7); output files are written atomically.
@@ -407,6 +407,30 @@ def timeline_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
     st = write_timeline(load_plan(plan_path), output, png)
     out.print(f"{len(st.slices):,} events on {sum(map(len, st.tracks))} tracks of {len(st.tracks)} PP ranks, step "
               f"{st.step_s * 1e3:,.3f} ms: {output}" + (f"; Gantt: {png}" if png else ""), soft_wrap=True)
+
+
+@app.command("export")
+def export_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
+               to: str = typer.Option(..., "--to", help="megatron|mindspeed-llm|torchtitan|torch-pipelining"),
+               output: Optional[str] = typer.Option(None, "-o", "--output", help="write here (default: stdout)")
+               ) -> None:
+    """PLAN as another runtime's launch config: Megatron-LM / MindSpeed-LLM flags, a torchtitan TOML, or the
+    torch.distributed.pipelining schedule CSV; what the runtime cannot express is listed as # lines (docs/export.md)."""
+    from moeplan.errors import PlanError
+    from moeplan.export import export_file
+    from moeplan.files import write_atomic
+
+    ex = export_file(plan_path, to)
+    if output is None:
+        sys.stdout.write(ex.document())
+    else:
+        try:
+            write_atomic(output, ex.document())
+        except OSError as e:
+            raise PlanError(f"output={output!r}: cannot write ({e.strerror or e})") from None
+    if not ex.commented:  # the CSV has no comment syntax: its notes go to stderr
+        for n in ex.notes:
+            err.print(f"# {n}", markup=False)
 
 
 def main() -> None:
