@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from moeplan import __version__
 from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline
 from moeplan.layout import Layout
 from moeplan.passes.shard import ShardPass
-from moeplan.cost_models.timeline import Timeline, simulate
+from moeplan.cost_models.timeline import StageProgram, Timeline, simulate
 from moeplan.passes.simulate import SimulatePass, run_settings, stage_programs
 from moeplan.plan import (SCHEMA_VERSION, Plan, PlanCollective, PlanComm, PlanCommClass, PlanExperts, PlanLayerCost,
                           PlanLayerDecisions, PlanLayout, PlanMemory, PlanModel, PlanOpDecision, PlanPrediction,
@@ -160,12 +161,22 @@ def resimulate(plan: Plan) -> PlanState:
     return SimulatePass().run(state_from_plan(plan))
 
 
-def plan_timeline(plan: Plan) -> Timeline:
+class SimulatedStep(NamedTuple):
+    """A saved plan's step as simulated: the compiler state rebuilt from the plan (:func:`state_from_plan`), the
+    program of each pipeline stage (``passes.simulate.stage_programs``) and the :class:`Timeline`."""
+
+    state: PlanState
+    programs: list[StageProgram]
+    timeline: Timeline
+
+
+def plan_timeline(plan: Plan) -> SimulatedStep:
     """The simulated step of a saved plan's schedule, every action and segment recorded
     (``simulate(..., detail=True)``: :class:`~moeplan.cost_models.timeline.Event` per action,
     :class:`~moeplan.cost_models.timeline.SegmentEvent` per compute segment and collective, seconds from the step
     start). The DP collectives and the optimizer step that follow the pipeline are not in it (passes/simulate.py
-    prices them apart)."""
+    prices them apart). Raises PlanError when the schedule does not simulate."""
     state = state_from_plan(plan)
     programs, _ = stage_programs(state)
-    return simulate(state.schedule.actions, stages=programs, settings=run_settings(state), detail=True)
+    return SimulatedStep(state, programs, simulate(state.schedule.actions, stages=programs,
+                                                   settings=run_settings(state), detail=True))

@@ -35,14 +35,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from moeplan.compile import layout_of, plan_timeline, state_from_plan
+from moeplan.compile import layout_of, plan_timeline
 from moeplan.cost_models.memory import peak_live_bytes
 from moeplan.cost_models.timeline import (OVERLAP, TIERS, Action, Event, SegmentEvent, StageProgram, Timeline,
                                          compute_parts, parse_action)
 from moeplan.files import write_atomic
 from moeplan.ir import kind_of
 from moeplan.passes.plan_memory import MODES, recompute_working_set
-from moeplan.passes.simulate import dp_collectives, dp_exposure, optimizer_s, stage_programs
+from moeplan.passes.simulate import dp_collectives, dp_exposure, optimizer_s
 from moeplan.plan import Plan
 from moeplan.state import PlanState, Segment
 
@@ -102,9 +102,7 @@ class StepTimeline:
 def step_timeline(plan: Plan) -> StepTimeline:
     """Simulate ``plan``'s step (:func:`moeplan.compile.plan_timeline`) and lay it out per rank and track (module
     docstring). Raises PlanError when the schedule does not simulate."""
-    tl = plan_timeline(plan)
-    state = state_from_plan(plan)  # the decisions plan_timeline simulated, for segment metadata and the DP tail
-    programs, _ = stage_programs(state)
+    state, programs, tl = plan_timeline(plan)  # the state and programs give segment metadata and the DP tail
     phases = {(s, k): p.phase(k) for s, p in enumerate(programs) for k in ("F", "B", "I", "W")}
     segs: dict[int, list[SegmentEvent]] = defaultdict(list)
     for s in tl.segment_events:

@@ -302,12 +302,10 @@ def gantt_of(plan: Plan) -> Gantt:
     stage_programs`), and — when the plan has any — the exposed swap: ``memory.ranks[r].exposed_swap_s[chunk]``
     (copy out, prefetch) seconds at the end of each forward and the start of each backward of that chunk, where
     the simulator places them (passes/simulate.py ``stage_program``)."""
-    from moeplan.compile import plan_timeline, state_from_plan
+    from moeplan.compile import plan_timeline
     from moeplan.cost_models.timeline import compute_parts, parse_action
-    from moeplan.passes.simulate import stage_programs
 
-    tl = plan_timeline(plan)
-    programs, _ = stage_programs(state_from_plan(plan))
+    _, programs, tl = plan_timeline(plan)
     pp = plan.layout.pp
     spans: dict[tuple[int, str, str], list[tuple[float, float]]] = {}
     p2p_tiers = plan.sharding.p2p.tier.split("+")

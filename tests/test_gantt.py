@@ -101,7 +101,7 @@ def test_trace_is_valid_with_a_process_per_rank_and_a_track_per_stream(plans, wr
     assert order == {r: r for r in range(plan.layout.pp)}
     threads = [(e["pid"], e["args"]["name"]) for e in meta if e["name"] == "thread_name"]
     assert len(threads) == len(set(threads))  # one track per (rank, stream)
-    tl = plan_timeline(plan)
+    tl = plan_timeline(plan).timeline
     for r in range(plan.layout.pp):
         streams = {f"comm {s.stream}" for s in tl.segment_events if s.rank == r and s.stream != "compute"}
         sends = {"p2p send"} if any(e.rank == r and e.stream == "comm" for e in tl.events) else set()
@@ -113,7 +113,7 @@ def test_trace_is_valid_with_a_process_per_rank_and_a_track_per_stream(plans, wr
 @pytest.mark.parametrize("name", ["cpu", "fb"])
 def test_every_computing_action_appears_once_with_its_segments(plans, written, name):
     plan, (_, doc, _) = plans[name], written[name]
-    tl = plan_timeline(plan)
+    tl = plan_timeline(plan).timeline
     for r, actions in enumerate(plan.schedule.actions):
         shown = Counter(e["name"] for e in doc["traceEvents"] if e.get("cat") == "action" and e["pid"] == r)
         assert shown == Counter(a for a in actions if compute_parts(a))
@@ -134,7 +134,7 @@ def test_last_event_ends_at_the_predicted_step(plans, written, name):
     for e in doc["traceEvents"]:
         if e["ph"] == "X":
             ends[e["cat"] in ("dp", "optimizer")] = max(ends[e["cat"] in ("dp", "optimizer")], e["ts"] + e["dur"])
-    assert ends[False] == pytest.approx(plan_timeline(plan).step_time_s * 1e6, abs=2e-3)  # the pipeline
+    assert ends[False] == pytest.approx(plan_timeline(plan).timeline.step_time_s * 1e6, abs=2e-3)  # the pipeline
     assert ends[True] == pytest.approx(plan.prediction.step_time_s * 1e6, abs=2e-3)  # + DP and the optimizer
     assert doc["otherData"]["predicted_step_s"] == plan.prediction.step_time_s
 
@@ -153,7 +153,7 @@ def test_memory_curve_follows_the_simulated_order_under_fb(plans, written):
     """With fb pairs the simulator starts a pair's forward before the previous pair's backward ends, so the timed
     peak can exceed the action-order peak the memory plan walks; the curve is the simulator's."""
     plan, st = plans["fb"], written["fb"][0]
-    tl = plan_timeline(plan)
+    tl = plan_timeline(plan).timeline
     for r, m in enumerate(st.memory):
         assert m.activation_peak_bytes == pytest.approx(tl.peak_activation_bytes[r] + m.working_set_bytes)
         assert m.activation_peak_bytes >= plan.memory.ranks[r].activation_bytes - 1
