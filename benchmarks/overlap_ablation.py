@@ -1,7 +1,7 @@
 """What each overlap mechanism buys on a MoE step: the dispatcher and the mechanisms added one at a time.
 
 For Pangu Ultra MoE 718B on 6144 Ascend 910B at its reported layout (TP 8, PP 16, VPP 2, EP 4 with TP-extend-EP,
-micro-batch 2; docs/references.md §1) and DeepSeek-V3 on 2048 H800 at its published layout (PP 16, EP 64, no TP, FP8 GEMMs;
+micro-batch 2; docs/references.md §1.1) and DeepSeek-V3 on 2048 H800 at its published layout (PP 16, EP 64, no TP, FP8 GEMMs;
 15360 × 4096 tokens; DeepSeek recomputes its norms and MLA up-projections, which no whole-layer mode expresses, so
 moeplan's ``selective`` — norms, activations, core attention — stands in), with the layout fixed, each row adds one
 step:
@@ -19,7 +19,7 @@ step:
 
 Per row: predicted step, MFU (Megatron-LM's causal model FLOPs over devices × bf16 peak), the EP overlap rate
 ``1 − exposed / total`` in the steady state and over the step, and the inter-node EP bytes one device sends per
-step. The last line compares the inter-node EP bytes of rows 1 and 2 with docs/references.md §3's volume sketch for the
+step. The last line compares the inter-node EP bytes of rows 1 and 2 with docs/references.md §3.2's volume sketch for the
 hierarchical all-to-all, ``k·(1 − 1/N) / (N − 1)`` for top-k over N nodes (only the 718B's hierarchical dispatcher is
 that scheme; the deduplicating one sends each token once to each node its experts are on).
 
@@ -93,8 +93,8 @@ def run_case(name: str, case: dict) -> list[dict]:
     return out
 
 
-def facts_factor(spec_name: str, case: dict) -> float:
-    """docs/references.md §3's flat / hierarchical inter-node volume for top-k over the expert group's N nodes."""
+def sketch_factor(spec_name: str, case: dict) -> float:
+    """docs/references.md §3.2's flat / hierarchical inter-node volume for top-k over the expert group's N nodes."""
     spec = load_spec(spec_name)
     lay = case["layout"]
     group = lay["ep"] * lay["tp"]  # moeplan's expert group (TP-extend-EP: tp·ep; no TP: ep)
@@ -127,7 +127,7 @@ def main() -> None:
         flat, node = rs[0]["ep_inter_bytes"], rs[1]["ep_inter_bytes"]
         if flat and node:
             print(f"  inter-node EP bytes {rs[0]['row']} / {rs[1]['row']}: {flat / node:.2f}x"
-                  f" (docs/references.md §3 hierarchical sketch k(1-1/N)/(N-1): {facts_factor(name, case):.2f}x)")
+                  f" (docs/references.md §3.2 hierarchical sketch k(1-1/N)/(N-1): {sketch_factor(name, case):.2f}x)")
     print(f"{time.perf_counter() - t0:.0f} s")
 
 

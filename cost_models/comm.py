@@ -1,4 +1,4 @@
-"""Communication cost model: α–β time of collectives per link tier (docs/architecture.md §5 "comm", docs/references.md §2–3).
+"""Communication cost model: α–β time of collectives per link tier (docs/architecture.md §5 "comm", docs/references.md §2).
 
 Byte convention (the one ``CommOp`` in moeplan/state.py uses): ``bytes`` is the per-rank payload, the tensor ONE rank
 holds BEFORE the op — the full input of an all-reduce or reduce-scatter, the local shard of an all-gather, the send

@@ -1,10 +1,10 @@
 """Memory model: model states (params, grads, optimizer) and activations per device (docs/architecture.md §5, docs/references.md §4.2).
 
-Mixed precision with Adam (Megatron-LM, Korthikanti et al. arXiv 2205.05198 §2; docs/references.md §4.2): a bf16 parameter
-(2 bytes) and an fp32 gradient (4 bytes) per parameter on every holder, plus fp32 main weights and Adam m, v
-(12 bytes) sharded by the distributed optimizer (ZeRO-1, Rajbhandari et al. arXiv 1910.02054 §5.1) over the
-data-parallel group: dense parameters over dp·cp ranks, routed experts over the expert-DP group. That is the
-"6 + 12/DP" bytes per parameter of docs/references.md §4.2.
+Mixed precision with Adam (Megatron Core distributed optimizer guide; ZeRO arXiv 1910.02054 §3.1;
+docs/references.md §4.2): a bf16 parameter (2 bytes) and an fp32 gradient (4 bytes) per parameter on every holder,
+plus fp32 main weights and Adam m, v (12 bytes) sharded by the distributed optimizer (ZeRO-1, Rajbhandari et al.
+arXiv 1910.02054 §5.1) over the data-parallel group: dense parameters over dp·cp ranks, routed experts over the
+expert-DP group. That is the "6 + 12/DP" bytes per parameter of docs/references.md §4.2.
 
 Activations are not estimated by Megatron's dense formula: the planner sums the saved-for-backward bytes of each
 traced operator (``LayerCost.saved_*_bytes``) times the micro-batches in flight, walked from the schedule's own

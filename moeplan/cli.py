@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import gc
 import json
+import os
 import sys
 from typing import Optional
 
@@ -18,8 +19,20 @@ from moeplan.errors import InfeasibleError, LayoutError, MoeplanError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Compile MoE training jobs into execution plans.")
-out = Console()
+PIPE_WIDTH = 100_000
+"""Columns of stdout when it is not a terminal (a pipe, a file, a CI log) and COLUMNS is not set: wide enough that
+no line or table is wrapped or truncated, so each prints at its content's width (rich's default is 80)."""
+VIEW_PIPE_WIDTH = 200
+"""Columns of ``inspect`` off a terminal (COLUMNS not set): its views stretch to the console (expanding tables, a
+Gantt over every column), so they get a fixed width instead; 200 holds the views of the 718B default plan (6144
+Ascend 910B) without a wrapped or truncated cell."""
+out = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else PIPE_WIDTH)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+PIPELINE_HELP = ("compiler passes in order, comma-separated, each with options in braces: shard, partition-stages, "
+                 "place-experts, schedule, plan-memory, simulate (the default, in this order); e.g. "
+                 "'shard,partition-stages{layer_layout=free},place-experts,schedule,plan-memory,simulate'")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -66,13 +79,21 @@ def compile_cmd(
     target: str = typer.Option(..., "--target", help="target name (e.g. ascend-910b, ascend-910b:313t) or YAML"),
     devices: int = typer.Option(..., "--devices", help="number of devices"),
     output: Optional[str] = typer.Option(None, "-o", "--output", help="write the plan YAML here"),
-    devices_per_node: Optional[int] = typer.Option(None, "--devices-per-node"),
-    tp: Optional[int] = typer.Option(None, "--tp"), pp: Optional[int] = typer.Option(None, "--pp"),
-    vpp: Optional[int] = typer.Option(None, "--vpp"), ep: Optional[int] = typer.Option(None, "--ep"),
-    etp: Optional[int] = typer.Option(None, "--etp"), cp: Optional[int] = typer.Option(None, "--cp"),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch"),
-    global_batch: Optional[int] = typer.Option(None, "--global-batch", help="sequences per step"),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len"),
+    devices_per_node: Optional[int] = typer.Option(None, "--devices-per-node",
+                                                   help="devices per node (default: the target's)"),
+    tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel degree (default: searched)"),
+    pp: Optional[int] = typer.Option(None, "--pp", help="pipeline-parallel degree (default: searched)"),
+    vpp: Optional[int] = typer.Option(None, "--vpp", help="virtual pipeline chunks per PP rank (default: searched)"),
+    ep: Optional[int] = typer.Option(None, "--ep", help="expert-parallel degree (default: searched)"),
+    etp: Optional[int] = typer.Option(None, "--etp", help="expert tensor-parallel degree: tp for expert-TP, 1 for "
+                                                          "TP-extend-EP (default: searched)"),
+    cp: Optional[int] = typer.Option(None, "--cp", help="context-parallel degree (default: searched)"),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch",
+                                              help="sequences per micro-batch (default: searched)"),
+    global_batch: Optional[int] = typer.Option(None, "--global-batch",
+                                               help="sequences per step (default: the model's; the summary says "
+                                                    "where it came from)"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="tokens per sequence (default: the model's)"),
     schedule: str = typer.Option("auto", "--schedule", help="1f1b|interleaved|zero-bubble|zbv|dualpipev|auto"),
     dispatcher: str = typer.Option("auto", "--dispatcher", help="EP token dispatcher: flat|hierarchical|dedup|auto"),
     overlap: str = typer.Option("auto", "--overlap",
@@ -84,7 +105,7 @@ def compile_cmd(
                                                   help="GiB per device the plan may use (plan-memory{budget_gib=})"),
     training_dtype: Optional[str] = typer.Option(None, "--training-dtype",
                                                  help="bf16|fp16|fp32|fp8 (fp8: GEMMs; overrides the target)"),
-    pipeline: Optional[str] = typer.Option(None, "--pipeline", help="comma-separated pass names"),
+    pipeline: Optional[str] = typer.Option(None, "--pipeline", help=PIPELINE_HELP),
     top: int = typer.Option(1, "--top", help="print the best K layouts"),
     candidates: int = typer.Option(4, "--candidates",
                                    help="best estimates simulated with the full pipeline (at least --top), then as many "
@@ -96,9 +117,11 @@ def compile_cmd(
     """Compile MODEL for DEVICES devices of TARGET into a plan."""
     from moeplan.compile import compile_model
     from moeplan.compiler import DEFAULT_PIPELINE, with_option
+    from moeplan.files import check_output
     from moeplan.plan import save_plan
-    from moeplan.render import layout_dict, predicted_dict, render_plan, render_search, search_dict, search_summary
-    from moeplan.search import Fixed
+    from moeplan.render import (layout_dict, predicted_dict, render_plan, render_search, search_dict, search_summary,
+                                shape_sources)
+    from moeplan.search import Fixed, check_pipeline
     from moeplan.spec import load_spec
     from moeplan.targets import load_target
 
@@ -107,6 +130,8 @@ def compile_cmd(
                     ("global_batch", global_batch), ("seq_len", seq_len), ("top", top),
                     ("candidates", candidates)):
         _positive(name, v)
+    if output:
+        check_output(output)  # before the work: a compile does not end in a refusal to write
     spec = load_spec(model).with_shape(seq_len=seq_len, global_batch=global_batch)
     tgt = load_target(target, devices_per_node=devices_per_node, training_dtype=_choice(
         "training_dtype", training_dtype, ("bf16", "fp16", "fp32", "fp8")) if training_dtype else None)
@@ -115,16 +140,18 @@ def compile_cmd(
                                                                      overlap=overlap, recompute=recompute))
     pipeline = pipeline or DEFAULT_PIPELINE
     if memory_budget is not None:
-        if not memory_budget > 0:
-            raise LayoutError(f"memory_budget={memory_budget}: must be a positive number of GiB")
+        if not 0 < memory_budget < float("inf"):
+            raise LayoutError(f"memory_budget={memory_budget}: must be a positive, finite number of GiB")
         pipeline = with_option(pipeline, "plan-memory", "budget_gib", memory_budget)
+    check_pipeline(pipeline)
     res = compile_model(spec=spec, target=tgt, num_devices=devices, fixed=fixed,
                         pipeline=pipeline, candidates=None if exact else max(candidates, top),
                         keep=top)
     if output:
         save_plan(res.plan, output)
+    sources = shape_sources(model, seq_len=seq_len, global_batch=global_batch)
     if as_json:
-        summary = {"layout": layout_dict(res.plan), "predicted": predicted_dict(res.plan),
+        summary = {"layout": layout_dict(res.plan), "shape_sources": sources, "predicted": predicted_dict(res.plan),
                    "compile_s": res.compile_s, "stages": res.plan.stages.chunks,
                    "imbalance": res.plan.stages.imbalance, "stages_reason": res.plan.stages.reason,
                    "top": [{"layout": e.state.layout.short(), "strategy": e.state.strategy.short(),
@@ -132,7 +159,7 @@ def compile_cmd(
                    "rejected": dict(res.result.rejected), "search": search_dict(res.result), "plan": output}
         out.print_json(json.dumps(summary))
         return
-    render_plan(out, res.plan)
+    render_plan(out, res.plan, sources)
     if top > 1 or res.result.rejected:
         render_search(out, res.result, top)
     out.print(search_summary(res.result))
@@ -194,8 +221,10 @@ def explore_cmd(
 
 
 @app.command("describe")
-def describe_cmd(model: str = typer.Argument(...), seq_len: Optional[int] = typer.Option(None, "--seq-len"),
-                 as_json: bool = typer.Option(False, "--json")) -> None:
+def describe_cmd(model: str = typer.Argument(..., help="registry name, moeplan YAML or HF config.json"),
+                 seq_len: Optional[int] = typer.Option(None, "--seq-len",
+                                                       help="tokens per sequence (default: the model's)"),
+                 as_json: bool = typer.Option(False, "--json", help="print the figures as JSON")) -> None:
     """Parameters, FLOPs per token and per-layer-kind costs of MODEL."""
     from moeplan.describe import describe_model
     from moeplan.render_describe import describe_json, render_describe
@@ -211,8 +240,8 @@ def describe_cmd(model: str = typer.Argument(...), seq_len: Optional[int] = type
 
 
 @app.command("simulate")
-def simulate_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
-                 as_json: bool = typer.Option(False, "--json")) -> None:
+def simulate_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="a plan YAML of `moeplan compile`"),
+                 as_json: bool = typer.Option(False, "--json", help="print the figures as JSON")) -> None:
     """Re-simulate a saved plan's decisions with freshly computed costs."""
     from moeplan.compile import resimulate
     from moeplan.plan import MFU_DEFINITION, load_plan
@@ -242,28 +271,34 @@ def schema_cmd() -> None:
 
 @app.command("run")
 def run_cmd(
-    plan_path: str = typer.Argument(..., metavar="PLAN"),
+    plan_path: str = typer.Argument(..., metavar="PLAN", help="a plan YAML of `moeplan compile`"),
     steps: int = typer.Option(..., "--steps", help="training steps to run (in total, when resuming)"),
     metrics: Optional[str] = typer.Option(None, "--metrics", help="write one JSON line per step here"),
     data: Optional[str] = typer.Option(None, "--data", help="text, .npy or .pt token file (default: stdlib sources)"),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="checkpoint every K steps (0: never)"),
-    checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir"),
+    checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir",
+                                                 help="folder of the checkpoints (--checkpoint-every, --resume)"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest complete checkpoint"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="seed of the parameter initialisation"),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate"),
     timeout: float = typer.Option(60.0, "--timeout", help="collective timeout, seconds"),
     devices: Optional[int] = typer.Option(None, "--devices", help="refuse the plan unless it is for this many"),
     meter_every: int = typer.Option(1, "--meter-every", help="measure saved activations and in-layer collectives "
                                                              "every K steps (their hooks slow those steps)"),
+    print_command: bool = typer.Option(False, "--print-command", help="print the torchrun command to run on every "
+                                                                      "node instead of launching (cpu plans too)"),
 ) -> None:
-    """Train with PLAN: local processes for a cpu target, the torchrun command for cuda/npu (or run under it)."""
+    """Train with PLAN: local processes for a cpu target, the torchrun command for cuda/npu (or run under it).
+
+    Ctrl-C stops every rank and exits 130 with one line naming the checkpoint to --resume from (docs/runtime.md).
+    """
     import os
 
     from moeplan.errors import PlanError
     from moeplan.plan import load_plan
     from moeplan.runtime.data import BYTE_VOCAB, check_tokens, file_tokens
-    from moeplan.runtime.launch import (RunFailed, RunRequest, check_runnable, launch_local, torchrun_command,
-                                        under_torchrun)
+    from moeplan.runtime.launch import (RunFailed, RunInterrupted, RunRequest, check_runnable, launch_local,
+                                        torchrun_command, under_torchrun)
 
     for name, v in (("steps", steps), ("devices", devices), ("meter_every", meter_every)):
         _positive(name, v)
@@ -275,26 +310,33 @@ def run_cmd(
     plan = load_plan(plan_path)
     if devices is not None and devices != plan.layout.num_devices:
         raise PlanError(f"layout.num_devices={plan.layout.num_devices}: the plan is not for --devices {devices}")
-    request = RunRequest(plan=os.path.abspath(plan_path), steps=steps, metrics=metrics, data=data,
-                         checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, resume=resume, seed=seed,
-                         lr=lr, timeout_s=timeout, meter_every=meter_every)
-    if under_torchrun():
-        from moeplan.runtime.worker import main as worker_main
 
-        check_runnable(plan, world_size=int(os.environ["WORLD_SIZE"]))
-        raise typer.Exit(worker_main(request.argv()))
-    if plan.target.backend != "cpu":
-        check_runnable(plan, need_backend=False)
-        out.print(f"# run on every node of the cluster ({plan.target.backend}, {plan.layout.num_devices} devices):")
-        out.print(torchrun_command(plan, request), markup=False, highlight=False, soft_wrap=True)
-        return
-    check_runnable(plan)
-    if resume:
+    def absolute(path: Optional[str]) -> Optional[str]:  # the printed command may run in another directory
+        return os.path.abspath(path) if path else None
+
+    request = RunRequest(plan=absolute(plan_path), steps=steps, metrics=absolute(metrics), data=absolute(data),
+                         checkpoint_every=checkpoint_every, checkpoint_dir=absolute(checkpoint_dir), resume=resume,
+                         seed=seed, lr=lr, timeout_s=timeout, meter_every=meter_every)
+    if resume:  # refused here in one line, not by a traceback per rank (under torchrun too)
         from moeplan.runtime.checkpoint import check_layout, newest_checkpoint
 
-        ref = newest_checkpoint(checkpoint_dir)
+        ref = newest_checkpoint(request.checkpoint_dir)
         if ref is not None:
             check_layout(ref, plan.layout)
+    if under_torchrun():
+        from moeplan.runtime.worker import run_rank
+
+        check_runnable(plan, world_size=int(os.environ["WORLD_SIZE"]))
+        raise typer.Exit(run_rank(request.argv()))
+    if print_command or plan.target.backend != "cpu":
+        check_runnable(plan, need_backend=False)
+        command = torchrun_command(plan, request)
+        out.print(f"# {plan.target.backend}, {plan.layout.num_devices} devices: run on every node; MASTER_ADDR "
+                  f"(and MASTER_PORT, default 29500) name the first node (default localhost)",
+                  markup=False, highlight=False, soft_wrap=True)
+        out.print(command, markup=False, highlight=False, soft_wrap=True)
+        return
+    check_runnable(plan)
     if data is None and plan.model.spec.vocab_size < BYTE_VOCAB:
         raise PlanError(f"model.spec.vocab_size={plan.model.spec.vocab_size}: byte-level stdlib data needs "
                         f">= {BYTE_VOCAB}; pass --data")
@@ -302,28 +344,37 @@ def run_cmd(
         check_tokens(file_tokens(data), vocab_size=plan.model.spec.vocab_size, seq_len=plan.layout.seq_len)
     try:
         launch_local(plan, request)
+    except RunInterrupted as e:
+        err.print(f"moeplan run: {e}", markup=False)
+        raise typer.Exit(e.exit_code)
     except RunFailed as e:
         err.print(f"error: {e}", markup=False)
         raise typer.Exit(1)
 
 
 @app.command("compare")
-def compare_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
-                metrics_path: str = typer.Argument(..., metavar="METRICS"),
+def compare_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="the plan that was run"),
+                metrics_path: str = typer.Argument(..., metavar="METRICS",
+                                                   help="the JSONL file of `moeplan run --metrics`"),
                 first_step: int = typer.Option(5, "--first-step", help="median over steps from this one on"),
-                as_json: bool = typer.Option(False, "--json")) -> None:
-    """Predicted (PLAN) vs measured (METRICS from `moeplan run`): step time, actions, comm, activations."""
+                as_json: bool = typer.Option(False, "--json", help="print the rows as JSON")) -> None:
+    """Predicted (PLAN) vs measured (METRICS from `moeplan run`): step time, actions, comm, activations; a warning
+    on stderr when the machine was busy with other work during the measured steps."""
     from moeplan.plan import load_plan
-    from moeplan.runtime.compare import compare, read_records, render_rows, rows_json
+    from moeplan.runtime.compare import busy_warning, compare, read_records, render_rows, rows_json
 
     _positive("first_step", first_step)
     plan = load_plan(plan_path)
-    rows = compare(plan, read_records(metrics_path), first_step=first_step)
+    records = read_records(metrics_path)
+    rows = compare(plan, records, first_step=first_step)
     if as_json:
         out.print_json(json.dumps(rows_json(rows)))
-        return
-    render_rows(out, rows, title=f"{plan.model.name} · {plan.target.name} · predicted vs measured "
-                                 f"(median of steps >= {first_step})")
+    else:
+        render_rows(out, rows, title=f"{plan.model.name} · {plan.target.name} · predicted vs measured "
+                                     f"(median of steps >= {first_step})")
+    warning = busy_warning(records, first_step=first_step)
+    if warning:  # after the table, where it is read
+        err.print(f"warning: {warning}", markup=False)
 
 
 @app.command("calibrate")
@@ -332,7 +383,7 @@ def calibrate_cmd(target: str = typer.Option("cpu", "--target", help="base targe
                   name: Optional[str] = typer.Option(None, "--name", help="target name (default: the file's stem)"),
                   fit_model: Optional[str] = typer.Option(None, "--fit-model",
                                                           help="scale the launch costs to a measured step of MODEL"),
-                  as_json: bool = typer.Option(False, "--json")) -> None:
+                  as_json: bool = typer.Option(False, "--json", help="print the calibrated target as JSON")) -> None:
     """Measure this machine (matmul, elementwise, per-op overhead, gloo α–β) and write a calibrated cpu target."""
     from pathlib import Path
 
@@ -366,7 +417,8 @@ def calibrate_cmd(target: str = typer.Option("cpu", "--target", help="base targe
 
 
 @app.command("diff")
-def diff_cmd(plan_a: str = typer.Argument(..., metavar="A"), plan_b: str = typer.Argument(..., metavar="B"),
+def diff_cmd(plan_a: str = typer.Argument(..., metavar="A", help="the plan YAML to compare against"),
+             plan_b: str = typer.Argument(..., metavar="B", help="the plan YAML whose differences are shown"),
              as_json: bool = typer.Option(False, "--json", help="print the differences as JSON")) -> None:
     """Differences of plan B from plan A: model, layout, stages, memory, schedule, comm and prediction."""
     from moeplan.diff import diff_json, diff_plans, load_side, render_diff
@@ -379,7 +431,7 @@ def diff_cmd(plan_a: str = typer.Argument(..., metavar="A"), plan_b: str = typer
 
 
 @app.command("inspect")
-def inspect_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
+def inspect_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="a plan YAML of `moeplan compile`"),
                 static: bool = typer.Option(False, "--static", help="print every view as tables (implied when stdout "
                                                                      "is not a terminal)")) -> None:
     """Browse PLAN in the terminal: overview, stages, memory, timeline, comm (docs/inspect.md)."""
@@ -388,7 +440,7 @@ def inspect_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
 
     plan = load_plan(plan_path)
     if static or not sys.stdout.isatty():
-        print_static(out, plan)
+        print_static(Console(width=VIEW_PIPE_WIDTH) if out.width == PIPE_WIDTH else out, plan)
         return
     from moeplan.tui import InspectApp
 
@@ -396,7 +448,7 @@ def inspect_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
 
 
 @app.command("timeline")
-def timeline_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
+def timeline_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="a plan YAML of `moeplan compile`"),
                  output: str = typer.Option(..., "-o", "--output", help="write the Chrome / Perfetto trace JSON here"),
                  png: Optional[str] = typer.Option(None, "--png", help="also draw the Gantt and memory PNG here")
                  ) -> None:
@@ -410,13 +462,12 @@ def timeline_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
 
 
 @app.command("export")
-def export_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
+def export_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="a plan YAML of `moeplan compile`"),
                to: str = typer.Option(..., "--to", help="megatron|mindspeed-llm|torchtitan|torch-pipelining"),
                output: Optional[str] = typer.Option(None, "-o", "--output", help="write here (default: stdout)")
                ) -> None:
     """PLAN as another runtime's launch config: Megatron-LM / MindSpeed-LLM flags, a torchtitan TOML, or the
     torch.distributed.pipelining schedule CSV; what the runtime cannot express is listed as # lines (docs/export.md)."""
-    from moeplan.errors import PlanError
     from moeplan.export import export_file
     from moeplan.files import write_atomic
 
@@ -424,33 +475,92 @@ def export_cmd(plan_path: str = typer.Argument(..., metavar="PLAN"),
     if output is None:
         sys.stdout.write(ex.document())
     else:
-        try:
-            write_atomic(output, ex.document())
-        except OSError as e:
-            raise PlanError(f"output={output!r}: cannot write ({e.strerror or e})") from None
+        write_atomic(output, ex.document())  # OutputError (exit 2) when it cannot
     if not ex.commented:  # the CSV has no comment syntax: its notes go to stderr
         for n in ex.notes:
             err.print(f"# {n}", markup=False)
 
 
+@app.command("models")
+def models_cmd(as_json: bool = typer.Option(False, "--json", help="print the rows as JSON")) -> None:
+    """The models known by name (examples/models/registry.yaml), with their default training shape."""
+    from moeplan.render import models_rows, render_models
+
+    rows = models_rows()
+    if as_json:
+        out.print_json(json.dumps(rows))
+        return
+    render_models(out, rows)
+
+
+@app.command("targets")
+def targets_cmd(as_json: bool = typer.Option(False, "--json", help="print the rows as JSON")) -> None:
+    """The shipped hardware targets and their variants (targets/*.yaml): memory, peak, link bandwidths."""
+    from moeplan.render import render_targets, targets_rows
+
+    rows = targets_rows()
+    if as_json:
+        out.print_json(json.dumps(rows))
+        return
+    render_targets(out, rows)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from moeplan import __version__
+
+        out.print(f"moeplan {__version__}", markup=False, highlight=False)
+        raise typer.Exit()
+
+
+_RUN: dict = {"debug": False, "command": None}
+"""What :func:`main`'s last-resort guard needs of this run: ``--debug``, and the command's name."""
+
+
+@app.callback()
+def _options(ctx: typer.Context,
+             version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                          help="print moeplan's version and exit"),
+             debug: bool = typer.Option(False, "--debug", help="on an internal error (a bug, exit 1), print its "
+                                                               "traceback")) -> None:
+    """Options before the command (``moeplan --version``, ``moeplan --debug compile ...``)."""
+    _RUN.update(debug=debug, command=ctx.invoked_subcommand)
+
+
+def _one_line(text: str) -> str:
+    """``text`` as one printable line: whitespace runs become one space, other control characters their escape."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(text.split()))
+
+
 def main() -> None:
     """Entry point: run the app, mapping moeplan's errors to one line and exit 2 (bad input) or 3 (infeasible).
 
-    Usage errors (unknown option, missing argument) are typer's own: usage text and exit 2.
+    Usage errors (unknown option, missing argument) are typer's own: usage text and exit 2. Anything else is a bug
+    (bad input is refused by validation, with exit 2): one line naming the command as an internal error, exit 1;
+    ``moeplan --debug COMMAND`` prints the traceback too.
     """
+    _RUN.update(debug=False, command=None)
     # at exit, freeze what is left so the interpreter's last collection does not traverse torch's objects and the
     # compiled plan one by one (0.5-1 s of a compile's wall time on a 2-core machine)
     atexit.register(gc.freeze)
     try:
         app()
     except InfeasibleError as e:
-        err.print(f"error: {e}", markup=False)
+        err.print(f"error: {_one_line(str(e))}", markup=False)
         sys.exit(3)
-    except MoeplanError as e:
-        if not isinstance(e, ValueError):  # an internal failure (PassFailed): keep the traceback
-            raise
-        err.print(f"error: {e}", markup=False)
-        sys.exit(2)
+    except Exception as e:
+        if isinstance(e, MoeplanError) and isinstance(e, ValueError):
+            err.print(f"error: {_one_line(str(e))}", markup=False)
+            sys.exit(2)
+        if _RUN["debug"]:
+            import traceback
+
+            traceback.print_exc()
+        command = f"moeplan {_RUN['command']}" if _RUN["command"] else "moeplan"
+        what = _one_line(f"{type(e).__name__}: {e}")[:300]
+        err.print(f"error: internal error in `{command}`: {what} (a bug: please report it; `moeplan --debug ...` "
+                  f"prints the traceback)", markup=False)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 The CLI renders a :class:`ModelDescription` and emits its JSON keys ``params_total``, ``params_activated``,
 ``params_mtp`` and ``flops_per_token``. Conventions (stated so the figures are not misread): ``params_total`` and
-``params_activated`` exclude MTP; ``params_activated`` counts the embedding AND the output matrix (docs/references.md §1 quotes
+``params_activated`` exclude MTP; ``params_activated`` counts the embedding AND the output matrix (docs/references.md §1.1 quotes
 Pangu Ultra MoE's 39.2B "counting one vocab matrix"; ``params_activated_one_vocab`` gives that figure);
 ``params_mtp`` is the MTP modules' own parameters without their embedding / output-layer copies;
 ``flops_per_token`` is Megatron-LM's model-FLOPs count (docs/references.md §4.1: forward + backward, causal, no MTP) and

@@ -19,11 +19,20 @@ class TargetError(MoeplanError, ValueError):
 
 
 class LayoutError(MoeplanError, ValueError):
-    """A parallel layout does not fit the model or the device count."""
+    """A parallel layout does not fit the model or the device count; ``rejection`` is the typed reason
+    (:class:`moeplan.layout.Rejection`) when a layout rule raised it, else None."""
+
+    def __init__(self, message: str, *, rejection: object = None) -> None:
+        super().__init__(message)
+        self.rejection = rejection
 
 
 class PlanError(MoeplanError, ValueError):
     """A saved plan is malformed, of another schema version, or internally inconsistent."""
+
+
+class OutputError(MoeplanError, ValueError):
+    """An output file cannot be written: its folder does not exist, it is a folder, or the file system refuses."""
 
 
 class InfeasibleError(MoeplanError):
@@ -38,3 +47,23 @@ class InfeasibleError(MoeplanError):
 def field_error(cls: type[MoeplanError], field: str, value: object, rule: str) -> MoeplanError:
     """Build an error whose one-line message names the field, the value and the rule."""
     return cls(f"{field}={value!r}: {rule}")
+
+
+def validation_message(error: dict, *, where: str) -> str:
+    """One line for the first error of a pydantic ``ValidationError`` (``e.errors()[0]``): the field's dotted path,
+    the value given (a repr of at most 60 characters, however large or nested the value) and the rule, then
+    ``({where})``, e.g. ``in model.yaml``. A bound's message points to docs/inputs.md, which gives its reason."""
+    import reprlib
+
+    field = ".".join(str(p) for p in error["loc"]) or "document"
+    field = field if field.isprintable() else repr(field)
+    if error["type"] == "missing":
+        return f"{field}: required, missing ({where})"
+    short = reprlib.Repr()  # bounded: a huge or deeply nested value is cut, never walked whole
+    short.maxlevel, short.maxstring, short.maxother, short.maxlist, short.maxdict = 2, 40, 40, 4, 4
+    value = short.repr(error.get("input"))
+    value = value if len(value) <= 60 else value[:57] + "..."
+    rule = error["msg"].removeprefix("Value error, ")
+    if error["type"] in ("less_than_equal", "less_than", "too_long"):
+        where += "; docs/inputs.md gives the reason for the bound"
+    return f"{field}={value}: {rule} ({where})"

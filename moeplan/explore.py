@@ -345,7 +345,7 @@ def _screen_group(task: tuple[list[tuple[int, ModelSpec]], list[tuple[Layout, St
                 check(lay, graph=graph, num_devices=num_devices, devices_per_node=target.devices_per_node,
                       num_slots=len(slots))
             except LayoutError as e:
-                reasons[_reason(e)] += 1
+                reasons[e.rejection.summary if e.rejection is not None else _reason(e)] += 1
                 continue
             pkey = (lay.tp, lay.pp, lay.ep)
             params = params_of.get(pkey) or params_of.setdefault(pkey, stage_params(lay, graph, counts))

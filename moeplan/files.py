@@ -1,23 +1,43 @@
 """File I/O shared by the commands: atomic output (a reader never sees a half-written file, and a failed write leaves
-nothing behind) and the YAML reader whose errors are one line."""
+nothing behind, with one-line errors) and the text, YAML and JSON readers whose errors are one line: unreadable,
+not UTF-8, malformed, or nested too deeply (the limits: docs/inputs.md)."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
 
 import yaml
 
-from moeplan.errors import MoeplanError
+from moeplan.errors import MoeplanError, OutputError
 
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's safe loader when built in: plans are large
 
 
-def write_atomic(path: str | Path, data: str | bytes) -> None:
-    """Write ``data`` to ``path``: a temp file in the same folder, then a rename. Permissions follow the umask
-    (``mkstemp`` alone would create 0600). Raises OSError as the file system does."""
+def check_output(path: str | Path, *, field: str = "output") -> None:
+    """Raise OutputError (one line naming ``field`` and ``path``) unless a file can be written at ``path``: its
+    folder exists and is writable, and ``path`` is not a folder. Commands call it before their work, so a long
+    compile does not end in a refusal."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise OutputError(f"{field}={str(path)!r}: folder {str(folder)!r} does not exist")
+    if path.is_dir():
+        raise OutputError(f"{field}={str(path)!r}: is a folder; name a file")
+    if not os.access(folder, os.W_OK):
+        raise OutputError(f"{field}={str(path)!r}: folder {str(folder)!r} is not writable")
+
+
+def write_atomic(path: str | Path, data: str | bytes, *, field: str = "output") -> None:
+    """Write ``data`` to ``path``: a temp file in the same folder, then a rename. Permissions follow the umask
+    (``mkstemp`` alone would create 0600). Raises OutputError (one line naming ``field``, the path and the file
+    system's reason) when it cannot; nothing is left behind then."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
+    except OSError as e:
+        raise OutputError(f"{field}={str(path)!r}: cannot write ({e.strerror or e})") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
@@ -25,21 +45,100 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise OutputError(f"{field}={str(path)!r}: cannot write ({e.strerror or e})") from None
         raise
 
 
-def read_yaml(path: str | Path, *, field: str, error: type[MoeplanError]) -> object:
-    """The YAML document in ``path``, read with a safe loader (nothing in it is executed). Raises ``error`` with one
-    line, ``{field}='{path}': ...``, when the file cannot be read, is not UTF-8 text or is not YAML."""
+def read_text(path: str | Path, *, field: str, error: type[MoeplanError]) -> str:
+    """The UTF-8 text of ``path``. Raises ``error`` with one line, ``{field}='{path}': ...``, when the file cannot be
+    read or is not UTF-8 text."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise error(f"{field}={str(path)!r}: cannot read ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise error(f"{field}={str(path)!r}: not a text file (byte {e.start} is not UTF-8)") from None
+
+
+MAX_DEPTH = 10_000
+"""Nesting depth up to which libyaml's loader is used; a deeper document can overflow its C stack (a crash, not an
+exception), so it goes to PyYAML's pure-Python loader, whose recursion limit raises instead."""
+MAX_NESTING = 64
+"""Deepest nesting of lists and mappings a document may have (moeplan's files nest at most about 8 deep)."""
+MAX_NODES = 10_000_000
+"""Most lists, mappings and values a document may expand to: YAML aliases can share one node many times over."""
+
+
+def _depth_bound(text: str) -> int:
+    """An upper bound on the nesting depth of a YAML document: each flow level opens a bracket, each block level
+    takes at least one column (indentation or a ``-``/``?`` indicator) of one line."""
+    return text.count("[") + text.count("{") + max(map(len, text.splitlines()), default=0)
+
+
+def _shape(doc: object) -> tuple[int, int] | None:
+    """(nesting depth, nodes once aliases are expanded) of a loaded document, or None when a list or mapping
+    contains itself (a YAML alias inside its own anchor). Iterative, each shared node visited once."""
+    memo: dict[int, tuple[int, int]] = {}
+    open_: set[int] = set()  # the nodes whose children are being visited: the current node's ancestors
+    stack: list[tuple[object, bool]] = [(doc, False)]
+    while stack:
+        node, done = stack.pop()
+        kids = [k for k in (node.values() if isinstance(node, dict) else node) if isinstance(k, (dict, list))]
+        if done:
+            open_.discard(id(node))
+            memo[id(node)] = (1 + max((memo[id(k)][0] for k in kids), default=0),
+                              1 + len(node) + sum(memo[id(k)][1] for k in kids))
+        elif id(node) in open_:
+            return None
+        elif id(node) not in memo:
+            open_.add(id(node))
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids)
+    return memo.get(id(doc), (0, 1))
+
+
+def _checked(doc: object, *, field: str, path: str | Path, kind: str, error: type[MoeplanError]) -> object:
+    """``doc`` if its nesting and size are within :data:`MAX_NESTING` and :data:`MAX_NODES`; else ``error``."""
+    if not isinstance(doc, (dict, list)):
+        return doc
+    shape = _shape(doc)
+    if shape is None:
+        raise error(f"{field}={str(path)!r}: malformed {kind} (a list or mapping contains itself through an alias)")
+    if shape[0] > MAX_NESTING or shape[1] > MAX_NODES:
+        raise error(f"{field}={str(path)!r}: malformed {kind} (nested deeper than {MAX_NESTING} levels or expanding "
+                    f"to more than {MAX_NODES:,} values)")
+    return doc
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def read_yaml(path: str | Path, *, field: str, error: type[MoeplanError]) -> object:
+    """The YAML document in ``path``, read with a safe loader (nothing in it is executed). Raises ``error`` with one
+    line, ``{field}='{path}': ...``, when the file cannot be read, is not UTF-8 text or is not YAML (a value its
+    tag cannot hold, such as the date 2024-13-45, included), or nests deeper than :data:`MAX_NESTING`."""
+    text = read_text(path, field=field, error=error)
     try:
-        return yaml.load(text, Loader=_LOADER)
-    except yaml.YAMLError as e:
-        raise error(f"{field}={str(path)!r}: malformed YAML ({str(e).splitlines()[0]})") from None
+        doc = yaml.load(text, Loader=_LOADER if _depth_bound(text) <= MAX_DEPTH else yaml.SafeLoader)
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: a scalar its tag cannot hold (int(), date() raise it)
+        raise error(f"{field}={str(path)!r}: malformed YAML ({_first_line(e)})") from None
+    except RecursionError:
+        raise error(f"{field}={str(path)!r}: malformed YAML (nested too deeply)") from None
+    return _checked(doc, field=field, path=path, kind="YAML", error=error)
+
+
+def read_json(path: str | Path, *, field: str, error: type[MoeplanError]) -> object:
+    """The JSON document in ``path`` (RFC 8259; Python's ``NaN``/``Infinity`` extensions are read as floats, which
+    validation then refuses). Raises ``error`` with one line as :func:`read_yaml`."""
+    text = read_text(path, field=field, error=error)
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{field}={str(path)!r}: malformed JSON ({_first_line(e)})") from None
+    except RecursionError:
+        raise error(f"{field}={str(path)!r}: malformed JSON (nested too deeply)") from None
+    return _checked(doc, field=field, path=path, kind="JSON", error=error)

@@ -9,7 +9,7 @@ modules (work the hardware does, for HFU).
 
 Parameter counts mirror :mod:`moeplan.models` exactly (tests compare them with the built model's ``numel``):
 ``total`` and ``activated`` exclude MTP; ``activated`` is every non-routed-expert parameter (the embedding AND the
-output matrix included) plus ``top_k`` routed experts per MoE layer. docs/references.md §1 quotes Pangu Ultra MoE at 39.2B
+output matrix included) plus ``top_k`` routed experts per MoE layer. docs/references.md §1.1 quotes Pangu Ultra MoE at 39.2B
 activated "counting one vocab matrix"; this module counts both (≈40.4B) — :attr:`ParamCounts.output` is the
 difference.
 """

@@ -379,7 +379,7 @@ def figure_png(st: StepTimeline) -> bytes:
 def write_timeline(plan: Plan, trace_path: str, png_path: str | None = None) -> StepTimeline:
     """Write ``plan``'s trace JSON to ``trace_path`` and, when given, the PNG to ``png_path``; both are built before
     either is written (``moeplan.files.write_atomic``: nothing half-written, nothing written on an error). Raises
-    PlanError for a schedule that does not simulate, OSError as the file system does."""
+    PlanError for a schedule that does not simulate, OutputError (moeplan.errors) when a file cannot be written."""
     st = step_timeline(plan)
     text = trace_json(st)
     png = figure_png(st) if png_path else None

@@ -7,6 +7,7 @@ Saving then loading gives an equal plan.
 """
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Literal, Sequence
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from moeplan.cost_models.timeline import compute_parts, parse_action
 from moeplan.files import read_yaml, write_atomic
-from moeplan.errors import PlanError
+from moeplan.errors import PlanError, validation_message
 from moeplan.ir import kind_of, named_layers
 from moeplan.names import Dispatcher, Mechanism, ScheduleKind
 from moeplan.spec import ModelSpec
@@ -52,7 +53,7 @@ class PlanModel(_Frozen):
 
 
 class PlanLayout(_Frozen):
-    """The parallel layout: how the devices are split (docs/architecture.md §3)."""
+    """The parallel layout: how the devices are split (docs/architecture.md §4, "Layout search")."""
 
     tp: int = Field(ge=1)
     """Tensor-parallel degree (ranks sharing each layer's weights)."""
@@ -470,15 +471,29 @@ def load_plan(path: str | Path) -> Plan:
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
         raise PlanError(f"schema_version={version!r}: this moeplan reads schema version {SCHEMA_VERSION}")
+    bad = _non_finite(data)
+    if bad is not None:
+        field = bad[0] if bad[0].isprintable() else repr(bad[0])
+        raise PlanError(f"{field}={bad[1]!r}: must be a finite number (plan {path})")
     try:
         plan = Plan.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        field, value = ".".join(str(p) for p in err["loc"]), repr(err.get("input"))
-        where = f"{field}={value}" if len(value) <= 80 else field
-        raise PlanError(f"{where}: {err['msg'].removeprefix('Value error, ')} (plan {path})") from None
+        raise PlanError(validation_message(e.errors()[0], where=f"plan {path}")) from None
     check_plan(plan)
     return plan
+
+
+def _non_finite(data: object, path: str = "") -> tuple[str, float] | None:
+    """The dotted path and value of the first NaN or infinity in a loaded document, or None: a compiled plan holds
+    only finite numbers (an unbounded solver gap is stored as -1)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return path or "plan", data
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{path}.{k}" if path else str(k))
+        if found is not None:
+            return found
+    return None
 
 
 def check_plan(plan: Plan) -> None:

@@ -1,11 +1,16 @@
-"""Rich rendering of compile, describe and simulate results for the CLI (the core never imports this)."""
+"""Rich rendering of compile, describe and simulate results and of the models and targets lists, for the CLI (the core
+never imports this)."""
 from __future__ import annotations
+
+from importlib import resources
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from moeplan.plan import MFU_DEFINITION, Plan
-from moeplan.search import SearchResult
+if TYPE_CHECKING:  # imported where used: `moeplan models` and `targets` need neither
+    from moeplan.plan import Plan
+    from moeplan.search import SearchResult
 
 GIB = 1024**3
 
@@ -40,6 +45,8 @@ def layout_dict(plan: Plan) -> dict:
 
 
 def predicted_dict(plan: Plan) -> dict:
+    from moeplan.plan import MFU_DEFINITION
+
     p = plan.prediction
     return {"step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "hfu": p.hfu,
             "bubble": p.bubble, "peak_memory_bytes": p.peak_memory_bytes, "exposed_comm_s": p.exposed_comm_s,
@@ -66,14 +73,62 @@ def render_comm(console: Console, plan: Plan) -> None:
     console.print(t)
 
 
-def render_plan(console: Console, plan: Plan) -> None:
-    """Layout, prediction, stages and memory of a plan."""
+def plural(n: int, noun: str) -> str:
+    """``1 micro-batch``, ``2 micro-batches`` (English plural: ``-es`` after s, x, ch, sh; else ``-s``)."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun}{'es' if noun.endswith(('s', 'x', 'ch', 'sh')) else 's'}"
+
+
+SHAPE_FLAGS = {"seq_len": "--seq-len", "global_batch": "--global-batch"}
+
+
+def shape_sources(model: str, *, seq_len: int | None = None, global_batch: int | None = None) -> dict[str, str]:
+    """Where ``compile MODEL`` took each field of its training shape from, as moeplan.spec.load_spec reads MODEL:
+    the ``command line`` (a value given here), the ``registry entry`` (a registry name whose file is a config.json),
+    the ``model YAML`` (a moeplan YAML, by registry name or path) or the ``config.json default`` (a config.json given
+    by path carries no training shape; when it is a registry entry's file, the entry's value is named). Keys
+    ``seq_len`` and ``global_batch``."""
+    from pathlib import Path
+
+    from moeplan.spec import _registry
+
+    root = resources.files("moeplan.examples") / "models"
+    registry = _registry()
+    entry = registry.get(model)
+    twins = {} if entry is not None or not model.endswith(".json") else {
+        n: e for n, e in registry.items() if Path(str(root / e["file"])).resolve() == Path(model).resolve()}
+    out = {}
+    for field, value in (("seq_len", seq_len), ("global_batch", global_batch)):
+        if value is not None:
+            out[field] = f"command line ({SHAPE_FLAGS[field]})"
+        elif entry is not None and not entry["file"].endswith(".json"):
+            out[field] = f"model YAML {entry['file']} of the registry"
+        elif entry is not None and field in entry:
+            out[field] = f"registry entry {model}"
+        elif entry is None and not model.endswith(".json"):
+            out[field] = f"model YAML {model}"
+        else:
+            notes = [f"the registry entry {n} uses {e[field]}" for n, e in twins.items() if field in e]
+            out[field] = "; ".join(["config.json default (a config.json has no training shape", *notes,
+                                    f"{SHAPE_FLAGS[field]} sets it)"])
+    return out
+
+
+def render_plan(console: Console, plan: Plan, sources: dict[str, str] | None = None) -> None:
+    """Layout, prediction, stages and memory of a plan; ``sources`` (:func:`shape_sources`) adds where the training
+    shape came from."""
+    from moeplan.plan import MFU_DEFINITION
+
     lay, pred = plan.layout, plan.prediction
     console.print(f"[bold]{plan.model.name}[/] on {lay.num_devices} × {plan.target.name}"
                   f"{':' + plan.target.variant if plan.target.variant else ''} — "
                   f"tp {lay.tp} · pp {lay.pp} · vpp {lay.vpp} · ep {lay.ep} · etp {lay.etp} · cp {lay.cp} · "
-                  f"dp {lay.dp} · micro-batch {lay.micro_batch} · {lay.num_microbatches} micro-batches of "
+                  f"dp {lay.dp} · micro-batch {lay.micro_batch} · {plural(lay.num_microbatches, 'micro-batch')} of "
                   f"{lay.global_batch} × {lay.seq_len}")
+    if sources:
+        console.print(f"global batch {lay.global_batch} sequences from the {sources['global_batch']}; seq_len "
+                      f"{lay.seq_len} tokens from the {sources['seq_len']}", markup=False)
     t = Table(title="predicted step", show_header=False)
     t.add_row("step time", f"{pred.step_time_s:.3f} s")
     t.add_row("tokens/s", f"{pred.tokens_per_s:,.0f}")
@@ -118,7 +173,9 @@ def render_search(console: Console, result: SearchResult, top: int) -> None:
                   f"{p.mfu:.1%}", f"{p.bubble:.2%}", f"{max(p.peak_memory_bytes) / GIB:.1f} GiB")
     console.print(t)
     if result.rejected:
-        console.print("rejected: " + "; ".join(f"{n} × {r}" for r, n in result.rejected.most_common()))
+        from moeplan.layout import REASONS
+
+        console.print("rejected: " + "; ".join(f"{n} × {REASONS[r]}" for r, n in result.rejected.most_common()))
 
 
 def search_summary(result: SearchResult) -> str:
@@ -135,3 +192,66 @@ def search_dict(result: SearchResult) -> dict:
     """The search's counts and bound for ``--json``."""
     return {"options": result.num_options, "evaluated": result.num_evaluated, "pruned": result.num_pruned,
             "bound_s": None if result.bound_s == float("inf") else result.bound_s, "gap": max(0.0, result.gap)}
+
+
+def models_rows() -> list[dict]:
+    """One row per registry model (examples/models/registry.yaml): its file, architecture and default training
+    shape (``seq_len`` tokens, ``global_batch`` sequences). Raises SpecError when an entry does not load."""
+    from moeplan.spec import _registry, load_spec
+
+    rows = []
+    for name, entry in sorted(_registry().items()):
+        s = load_spec(name)
+        rows.append({"name": name, "file": entry["file"], "attention": s.attention, "layers": s.num_layers,
+                     "dense_layers": s.num_dense_layers, "hidden_size": s.hidden_size, "experts": s.num_experts,
+                     "top_k": s.top_k, "shared_experts": s.num_shared_experts, "mtp_layers": s.num_mtp_layers,
+                     "seq_len": s.seq_len, "global_batch": s.global_batch})
+    return rows
+
+
+def render_models(console: Console, rows: list[dict]) -> None:
+    """The table of :func:`models_rows`."""
+    t = Table(title="models (registry names; a moeplan YAML or an HF config.json path works too)")
+    for col in ("name", "file", "attention", "layers (dense)", "hidden", "experts", "MTP", "seq_len",
+                "global batch"):
+        t.add_column(col, justify="left" if col in ("name", "file", "attention") else "right")
+    for r in rows:
+        experts = f"{r['experts']} top-{r['top_k']}" + (f" +{r['shared_experts']} shared" if r["shared_experts"]
+                                                        else "") if r["experts"] else "dense"
+        t.add_row(r["name"], r["file"], r["attention"], f"{r['layers']} ({r['dense_layers']})",
+                  str(r["hidden_size"]), experts, str(r["mtp_layers"]), str(r["seq_len"]), str(r["global_batch"]))
+    console.print(t)
+
+
+def targets_rows() -> list[dict]:
+    """One row per shipped target and variant (targets/*.yaml; ``NAME:VARIANT`` selects a variant): backend, devices
+    per node, memory (bytes), bf16 peak (FLOP/s) and link bandwidths (bytes/s per device). Raises TargetError when a
+    file does not load."""
+    import yaml
+
+    from moeplan.targets import load_target, target_names
+
+    rows = []
+    for name in target_names():
+        raw = yaml.safe_load((resources.files("moeplan.targets") / f"{name}.yaml").read_text())
+        default = raw.get("default_variant")
+        for variant in sorted(raw.get("variants") or {}, key=lambda v: v != default) or [None]:
+            t = load_target(name, variant=variant)
+            rows.append({"name": f"{name}:{variant}" if variant else name, "default": bool(variant) and variant == default,
+                         "backend": t.backend, "devices_per_node": t.devices_per_node,
+                         "memory_bytes": t.memory_bytes, "bf16_flops": t.cube_flops,
+                         "intra_node_bytes_per_s": t.intra_node.bandwidth_bytes_per_s,
+                         "inter_node_bytes_per_s": t.inter_node.bandwidth_bytes_per_s})
+    return rows
+
+
+def render_targets(console: Console, rows: list[dict]) -> None:
+    """The table of :func:`targets_rows` (GiB = 2^30 bytes, TFLOP/s and GB/s = 10^12 and 10^9)."""
+    t = Table(title="targets (--target NAME or NAME:VARIANT; * the default variant; or a target YAML path)")
+    for col in ("name", "backend", "devices/node", "memory", "bf16 peak", "intra-node", "inter-node"):
+        t.add_column(col, justify="left" if col in ("name", "backend") else "right")
+    for r in rows:
+        t.add_row(r["name"] + (" *" if r["default"] else ""), r["backend"], str(r["devices_per_node"]),
+                  f"{r['memory_bytes'] / GIB:.0f} GiB", f"{r['bf16_flops'] / 1e12:,.1f} TFLOP/s",
+                  f"{r['intra_node_bytes_per_s'] / 1e9:,.1f} GB/s", f"{r['inter_node_bytes_per_s'] / 1e9:,.1f} GB/s")
+    console.print(t)

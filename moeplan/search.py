@@ -25,7 +25,7 @@
    rank's compute runs past that step (the step can only be longer). Each worker has one in flight, so the next
    one sent sees the best step found so far. A candidate the memory pass finds infeasible is retried
    without ``fb`` when the overlap set was chosen automatically (``fb`` keeps one more micro-batch in flight), else
-   counted (a typed :class:`Rejected`) and dropped.
+   counted (a typed :class:`moeplan.layout.Rejection`) and dropped.
 6. **Exact** (``candidates=None``): after the best estimates, every other option in order of its bound until the
    next bound is not below the best step: what is left provably cannot beat it. Otherwise the result reports the
    least bound of the options left unsimulated, so the caller knows how far from the optimum the best can be.
@@ -35,7 +35,6 @@ from __future__ import annotations
 import gc
 import heapq
 import os
-import re
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -43,15 +42,15 @@ from multiprocessing import get_context
 from typing import Iterable, Iterator
 
 from moeplan.bounds import SPLIT_BACKWARD, PieceSums, floors, layout_bound, piece_sums, plan_bound
-from moeplan.compiler import parse_pipeline, run_pipeline
+from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline, run_pipeline
 from moeplan.cost_models.dispatch import hierarchical_valid
 from moeplan.cost_models.layer_program import ep_transfer, expert_group
 from moeplan.cost_models.timeline import StepExceeded
-from moeplan.errors import InfeasibleError, LayoutError
+from moeplan.errors import InfeasibleError, LayoutError, PlanError
 from moeplan.estimate import (ModelCost, estimate_step, layer_prices, model_cost, slot_weights, stage_params,
                               static_bytes)
 from moeplan.ir import LayerKind, ModelGraph, named_layers
-from moeplan.layout import Layout, check_layout
+from moeplan.layout import Layout, Rejection, check_fixed_degrees, check_layout, layout_rejection
 from moeplan.passes.partition_stages import SLOT_KINDS
 from moeplan.passes.schedule import FB_PAIRED, schedule_fits
 from moeplan.passes.simulate import norm_s
@@ -85,16 +84,6 @@ class Evaluated:
 
 
 @dataclass(frozen=True)
-class Rejected:
-    """A candidate the full pipeline refused: the countable reason, the one-line message, and for a memory
-    rejection the bytes per device of the first PP rank that fit under no recompute mode (at the last one tried)."""
-
-    reason: str
-    message: str
-    needs_bytes: float | None = None
-
-
-@dataclass(frozen=True)
 class Pruned:
     """A candidate the full pipeline stopped early: before simulating, when its plan's lower bound
     (:func:`moeplan.bounds.plan_bound`, seconds) was not below the best step found when it was sent, or during the
@@ -113,7 +102,7 @@ class SearchResult:
     optimum of the whole space under the cost model)."""
 
     ranked: tuple[Evaluated, ...]
-    rejected: Counter  # reason -> count
+    rejected: Counter  # Rejection.reason (a code of moeplan.layout.REASONS) -> count
     num_enumerated: int
     num_evaluated: int
     num_options: int = 0
@@ -146,7 +135,7 @@ def enumerate_layouts(*, graph: ModelGraph, num_devices: int, devices_per_node: 
                 if num_devices % (tp * cp * pp):
                     continue
                 dp = num_devices // (tp * cp * pp)
-                vpps = [v for v in (1, 2, 3, 4) if pp * v <= slots and (v == 1 or pp > 1)]
+                vpps = [v for v in (1, 2, 3, 4) if v == 1 or (pp > 1 and pp * v <= slots)]
                 eps = [e for e in _divisors(dp * cp) if not spec.num_experts or spec.num_experts % e == 0] \
                     if spec.is_moe else [1]
                 for vpp in _choices(fixed.vpp, vpps):
@@ -164,13 +153,6 @@ def check(layout: Layout, *, graph: ModelGraph, num_devices: int, devices_per_no
     spec = graph.spec
     check_layout(layout, num_devices=num_devices, devices_per_node=devices_per_node, num_heads=spec.num_heads,
                  num_kv_heads=spec.num_kv_heads, num_experts=spec.num_experts, num_layer_slots=num_slots)
-
-
-def rejection_reason(err: Exception) -> str:
-    """A countable reason: the message with its numbers and parentheticals removed."""
-    text = re.sub(r"\([^)]*\)", "", str(err))
-    text = re.sub(r"=\S+", "", text, count=1)
-    return re.sub(r"\s+", " ", re.sub(r"\d+", "N", text)).strip()
 
 
 def strategies(layout: Layout, *, graph: ModelGraph, target: Target, fixed: Fixed,
@@ -230,7 +212,7 @@ def _cheapest_dispatcher(layout: Layout, graph: ModelGraph, target: Target, cach
     return best  # type: ignore[return-value]
 
 
-def _evaluate(args: tuple[Layout, Strategy, str, bool, float]) -> Evaluated | Rejected | Pruned:
+def _evaluate(args: tuple[Layout, Strategy, str, bool, float]) -> Evaluated | Rejection | Pruned:
     """Run the full pipeline on one option. ``beat``: the best step found so far; when the pipeline ends with
     ``simulate``, a plan whose lower bound is not below it stops before the simulation (a :class:`Pruned`)."""
     layout, strategy, pipeline, auto_overlap, beat = args
@@ -253,17 +235,19 @@ def _evaluate(args: tuple[Layout, Strategy, str, bool, float]) -> Evaluated | Re
                 except StepExceeded as e:
                     return Pruned(e.at_s)
                 timings += last
-        except InfeasibleError as e:
-            error = Rejected("memory: plan exceeds device memory under every recompute mode", str(e), e.needs_bytes)
+        except InfeasibleError as e:  # figure: bytes per device of the first PP rank that fit under no recompute mode
+            error = Rejection("memory", e.needs_bytes, str(e))
             continue
         except LayoutError as e:
-            return Rejected(rejection_reason(e), str(e))
+            return e.rejection if isinstance(e.rejection, Rejection) else Rejection("pass", None, str(e))
         return Evaluated(state=state, pass_s=tuple((t.name, t.seconds) for t in timings))
     return error
 
 
-def _check_fixed(fixed: Fixed, target: Target) -> None:
-    """Refuse a fixed schedule, dispatcher or mechanism the target's runtime does not execute."""
+def _check_fixed(fixed: Fixed, target: Target, num_devices: int) -> None:
+    """Refuse a device count or fixed degrees that fit no layout (:func:`moeplan.layout.check_fixed_degrees`), and a
+    fixed schedule, dispatcher or mechanism the target's runtime does not execute."""
+    check_fixed_degrees(num_devices, tp=fixed.tp, cp=fixed.cp, pp=fixed.pp, ep=fixed.ep)
     caps = target.runtime
     for name, chosen, allowed in (("schedule", [fixed.schedule] if fixed.schedule else [], caps.schedules),
                                    ("dispatcher", [fixed.dispatcher] if fixed.dispatcher else [], caps.dispatchers),
@@ -274,20 +258,30 @@ def _check_fixed(fixed: Fixed, target: Target) -> None:
                               f"{', '.join(allowed) or 'none'}")
 
 
-_NO_MEMORY = "memory: model states exceed device memory"
+PLAN_DECISIONS = ("sharding", "stages", "experts", "schedule", "memory", "prediction")
+"""What a compiled plan holds, each provided by a pass of the pipeline (moeplan.compile.plan_from_state)."""
+
+
+def check_pipeline(pipeline: str) -> None:
+    """Raise PlanError unless ``pipeline`` parses and its passes provide every decision of a plan (the search ranks
+    layouts by the ``simulate`` pass's step time, and a plan holds all of :data:`PLAN_DECISIONS`)."""
+    provided = {d for p in parse_pipeline(pipeline) for d in p.provides}
+    missing = [d for d in PLAN_DECISIONS if d not in provided]
+    if missing:
+        raise PlanError(f"pipeline={pipeline!r}: a compiled plan needs {', '.join(missing)}, which no pass of it "
+                        f"provides (the default: {DEFAULT_PIPELINE})")
 
 
 @dataclass
 class Options:
     """What the search prices: every (layout, strategy, stage params) that passed the checks and whose model
-    states fit (``options``), the layouts enumerated, the count of the others per reason, the first check error
-    and the least model-state bytes of a layout that did not fit (``inf`` when none failed on memory)."""
+    states fit (``options``), the layouts enumerated, the count of the others per reason code, and one rejection
+    per reason: the first seen, or for ``model-states`` the least bytes per device."""
 
     options: list[tuple[Layout, Strategy, tuple[float, float]]]
     layouts: list[Layout]
     rejected: Counter
-    first_error: LayoutError | None
-    min_static: float
+    examples: dict[str, Rejection]
 
 
 def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed) -> Options:
@@ -298,16 +292,22 @@ def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed:
     cache: dict = {}
     params_of: dict[tuple[int, int, int], tuple[float, float]] = {}
     counts = Counter(k for _, k in named_layers(graph.spec))
-    first_error: LayoutError | None = None
-    min_static = float("inf")
+    examples: dict[str, Rejection] = {}
+
+    def reject(r: Rejection) -> None:
+        rejected[r.reason] += 1
+        if r.reason not in examples or (r.reason == "model-states" and r.figure < examples[r.reason].figure):
+            examples[r.reason] = r
+
+    spec = graph.spec
     layouts = enumerate_layouts(graph=graph, num_devices=num_devices, devices_per_node=dpn, fixed=fixed)
     options: list[tuple[Layout, Strategy, tuple[float, float]]] = []
     for lay in layouts:
-        try:
-            check(lay, graph=graph, num_devices=num_devices, devices_per_node=dpn, num_slots=sum(counts.values()))
-        except LayoutError as e:
-            first_error = first_error or e
-            rejected[rejection_reason(e)] += 1
+        refused = layout_rejection(lay, num_devices=num_devices, devices_per_node=dpn, num_heads=spec.num_heads,
+                                   num_kv_heads=spec.num_kv_heads, num_experts=spec.num_experts,
+                                   num_layer_slots=sum(counts.values()))
+        if refused is not None:
+            reject(refused)
             continue
         pkey = (lay.tp, lay.pp, lay.ep)  # what stage_params depends on
         params = params_of.get(pkey)
@@ -315,14 +315,16 @@ def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed:
             params = params_of[pkey] = stage_params(lay, graph, counts)
         static = static_bytes(lay, params)
         if static > target.usable_memory_bytes:
-            min_static = min(min_static, static)
-            rejected[_NO_MEMORY] += 1
+            reject(Rejection("model-states", static, f"memory: {lay.short()} needs {static / 1024**3:.1f} GiB per "
+                                                     f"device for model states alone"))
             continue
         found = strategies(lay, graph=graph, target=target, fixed=fixed, cache=cache)
         if not found:
-            rejected["schedule: no schedule the target runs fits pp, vpp and the micro-batches"] += 1
+            m = lay.num_microbatches
+            reject(Rejection("schedule", m, f"schedule: no schedule searched fits pp, vpp and the {m} micro-batches "
+                                            f"of {lay.short()}"))
         options += [(lay, st, params) for st in found]
-    return Options(options, layouts, rejected, first_error, min_static)
+    return Options(options, layouts, rejected, examples)
 
 
 def rank_by_estimate(*, graph: ModelGraph, target: Target, options: list[tuple[Layout, Strategy, tuple[float, float]]],
@@ -351,16 +353,19 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
            candidates: int | None = 4, workers: int | None = None, keep: int = 1) -> SearchResult:
     """Find the fastest layouts; see the module docstring. ``candidates``: how many of the best estimates go through
     the full pipeline; None: every option whose lower bound is below the ``keep``-th best step found (exact).
-    ``keep``: how many of the evaluated ones the result holds whole (the rest are counted, not kept). Raises LayoutError if no layout is valid, and InfeasibleError
-    (with the smallest per-device memory seen) if every valid layout runs out of memory."""
-    _check_fixed(fixed, target)
+    ``keep``: how many of the evaluated ones the result holds whole (the rest are counted, not kept). Raises
+    PlanError if the pipeline cannot make a plan (:func:`check_pipeline`), LayoutError if no layout is valid (the
+    most common reason, with the counts of the others), and InfeasibleError (with the smallest per-device memory
+    seen) if every valid layout runs out of memory."""
+    check_pipeline(pipeline)
+    _check_fixed(fixed, target, num_devices)
     built = build_options(graph=graph, target=target, num_devices=num_devices, fixed=fixed)
     options, rejected, layouts = built.options, built.rejected, built.layouts
-    if not options and built.first_error is not None and not rejected.get(_NO_MEMORY):
-        raise built.first_error
-    if not options and fixed.schedule is not None and not rejected.get(_NO_MEMORY):
-        raise LayoutError(f"schedule={fixed.schedule!r}: fits none of the {len(layouts)} layouts (pp, vpp and "
-                          f"micro-batches: passes/schedule.py)")
+    if not options and "model-states" not in rejected:
+        if fixed.schedule is not None and "schedule" in rejected:
+            raise LayoutError(f"schedule={fixed.schedule!r}: fits none of the {len(layouts)} layouts (pp, vpp and "
+                              f"micro-batches: passes/schedule.py)")
+        raise _none_valid(layouts, rejected, built.examples)
     slots = [k for _, k in named_layers(graph.spec)]
     weights = slot_weights(graph, slots)
     _SHARED["graph"], _SHARED["target"] = _lean(graph), target  # what forked workers read
@@ -372,7 +377,7 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
     rejected.update(r.reason for r in out.refused)
     ranked = out.ranked()
     if not ranked:
-        _raise_infeasible(target, built.min_static, layouts, out.refused)
+        _raise_infeasible(target, built.examples.get("model-states"), layouts, out.refused)
     return SearchResult(ranked=tuple(ranked), rejected=rejected, num_enumerated=len(layouts),
                         num_evaluated=out.sent, num_options=len(options), num_pruned=out.pruned,
                         bound_s=out.bound_s)
@@ -455,7 +460,7 @@ class _Outcome:
 
     keep: int
     best: list[tuple[float, int, Evaluated]] = field(default_factory=list)
-    refused: list[Rejected] = field(default_factory=list)
+    refused: list[Rejection] = field(default_factory=list)
     sent: int = 0
     pruned: int = 0
     bound_s: float = float("inf")
@@ -471,13 +476,13 @@ class _Outcome:
         """The least simulated-over-estimated step seen in ``cls``; 1 (the estimate as it is) while it has none."""
         return self.ratios.get(cls, 1.0)
 
-    def add(self, r: Evaluated | Rejected | Pruned, estimate_s: float, cls: tuple[str, bool]) -> None:
+    def add(self, r: Evaluated | Rejection | Pruned, estimate_s: float, cls: tuple[str, bool]) -> None:
         """Count ``r``, the result of the option estimated at ``estimate_s`` seconds in class ``cls``."""
         self.sent += not isinstance(r, Pruned)
         if isinstance(r, Evaluated) and estimate_s > 0:
             ratio = r.state.prediction.step_time_s / estimate_s  # type: ignore[union-attr]
             self.ratios[cls] = min(self.ratios.get(cls, ratio), ratio)
-        if isinstance(r, Rejected):
+        if isinstance(r, Rejection):
             self.refused.append(r)
         elif isinstance(r, Pruned):
             self.pruned += 1
@@ -593,16 +598,33 @@ class _Pool:
         return self.pool
 
 
-def _raise_infeasible(target: Target, min_static: float, layouts: list[Layout], refused: list[Rejected]) -> None:
-    """No layout survived: raise InfeasibleError naming the least per-device memory any layout would need."""
+def _none_valid(layouts: list[Layout], rejected: Counter, examples: dict[str, Rejection]) -> LayoutError:
+    """The error when every layout broke a rule: the most common rejection's message, how many layouts it refused
+    and the counts of the other reasons."""
+    if not layouts:
+        return LayoutError("layout: no layout was enumerated")
+    (top, count), *others = rejected.most_common()
+    n = len(layouts)
+    share = ("the only layout" if n == 1 else f"every one of the {n} layouts" if count == n else
+             f"{count} of {n} layouts")
+    rest = "".join(f"; {k} × {examples[r].summary}" for r, k in others)
+    return LayoutError(f"{examples[top].message} ({share}{rest})", rejection=examples[top])
+
+
+def _raise_infeasible(target: Target, static: Rejection | None, layouts: list[Layout], refused: list[Rejection]
+                      ) -> None:
+    """No layout survived: raise InfeasibleError naming the least per-device memory any layout would need
+    (``static``: the model-states rejection with the least bytes, if any), or LayoutError when the passes refused
+    every option for another reason."""
     gib, allowed = 1024**3, target.usable_memory_bytes / 1024**3
-    needs = [r.needs_bytes for r in refused if r.needs_bytes is not None]
+    needs = [r.figure for r in refused if r.reason == "memory" and r.figure is not None]
     if needs:
         raise InfeasibleError(f"memory: no layout fits; the best of {len(layouts)} needs {min(needs) / gib:.1f} GiB "
                               f"per device, {target.name} allows {allowed:.1f} GiB", needs_bytes=min(needs))
-    if min_static < float("inf"):
+    if static is not None:
         raise InfeasibleError(f"memory: no layout of {len(layouts)} fits; the best needs at least "
-                              f"{min_static / gib:.1f} GiB per device for model states alone, {target.name} "
-                              f"allows {allowed:.1f} GiB", needs_bytes=min_static)
+                              f"{static.figure / gib:.1f} GiB per device for model states alone, {target.name} "
+                              f"allows {allowed:.1f} GiB", needs_bytes=static.figure)
     raise LayoutError(f"layout: none of {len(layouts)} layouts is valid: "
-                      f"{refused[0].message if refused else 'none left'}")
+                      f"{refused[0].message if refused else 'none was left to simulate'}",
+                      rejection=refused[0] if refused else None)

@@ -21,7 +21,7 @@ chunks: in the steady state a rank runs each of its chunks once per micro-batch,
 :func:`balance_ranks` then moves pieces off the busiest rank's stages while that lowers its total. (With the loop
 placement of interleaving the min-max split is kept: its ranks' totals differ by at most the chunk granularity.)
 
-Empty layers (MindSpeed ``--noop-layers``, docs/references.md §3): runtimes such as MindSpeed-LLM need the same number of
+Empty layers (MindSpeed ``--noop-layers``, docs/references.md §3.4): runtimes such as MindSpeed-LLM need the same number of
 decoder layers (dense, MoE, MTP block) in every chunk. The uniform mode gives every chunk ``capacity`` slots and
 solves the same min-max problem with at most ``capacity`` decoder layers per chunk; the chunks that hold the
 embedding, the MTP logits or the head take fewer real layers and the rest of their slots become zero-cost empty

@@ -4,7 +4,7 @@ Contiguous placement: expert shard ``i`` of ``n = ep·tp/etp`` holds experts ``[
 ``local_expert_indices``. With MoGE routing (Pangu Pro MoE, arXiv 2505.21411 §3.1) the groups are contiguous too, so
 when ``n`` is a multiple or a divisor of the group count every group sits on whole shards and the per-device load is
 balanced by construction (IS = 0); the pass records whether that holds. Load-aware placement from a routing
-histogram (MindSpeed's greedy, docs/references.md §3) is a later version.
+histogram (MindSpeed's greedy, docs/references.md §3.7) is a later version.
 """
 from __future__ import annotations
 

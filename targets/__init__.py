@@ -12,48 +12,66 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
-from moeplan.errors import TargetError
+from moeplan.errors import TargetError, validation_message
+from moeplan.files import read_yaml
 from moeplan.names import DISPATCHERS, MECHANISMS, SCHEDULES, Dispatcher, Mechanism, ScheduleKind
+
+
+# Bounds far outside any device built (docs/inputs.md): they keep every time and byte count of the cost models finite.
+MAX_SECONDS = 1.0
+"""Largest latency or fixed launch cost, seconds (devices: micro- to milliseconds)."""
+MAX_BANDWIDTH = 1e15
+"""Largest bandwidth, bytes/s: 1 PB/s (HBM today: 8 TB/s); the least is 1 byte/s."""
+MAX_FLOPS = 1e18
+"""Largest peak, FLOP/s: 1 EFLOP/s per device (today: about 5 PFLOP/s dense FP8); the least is 1 FLOP/s."""
+MAX_MEMORY = 2.0**50
+"""Largest device memory, bytes: 1 PiB (today: up to 288 GB)."""
+MAX_NODE = 2**16
+"""Largest ``devices_per_node``: 65,536 (the largest scale-up domains today: a few hundred)."""
+GemmCurve = Annotated[tuple[tuple[Annotated[StrictInt, Field(gt=0, le=2**40)],
+                                  Annotated[StrictFloat, Field(gt=0, le=1)]], ...], Field(min_length=1)]
+"""``[[M, fraction], ...]``: a GEMM's throughput at M rows per device as a fraction (0–1] of its plateau; at least
+one point."""
 
 
 class Link(BaseModel):
     """One link tier (inside a node or between nodes) in the α–β model of cost_models/comm.py."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-    bandwidth_bytes_per_s: float = Field(gt=0)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+    bandwidth_bytes_per_s: StrictFloat = Field(ge=1, le=MAX_BANDWIDTH)
     """β⁻¹: per-device unidirectional bandwidth of the tier (all of the device's links of it together), bytes/s."""
-    latency_s: float = Field(ge=0)
+    latency_s: StrictFloat = Field(ge=0, le=MAX_SECONDS)
     """α: latency of one message, paid once per step of a collective's algorithm, seconds."""
 
 
 class Efficiency(BaseModel):
     """Achievable fractions of peak: compute (cube/vector), HBM and links. Defaults from Ascend/msmodeling."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-    compute: float = Field(default=0.7, gt=0, le=1)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+    compute: StrictFloat = Field(default=0.7, gt=0, le=1)
     """Fraction (0–1) of its unit's peak (``cube_flops``, ``fp8_flops``, ``vector_flops``) an op reaches; with a
     ``gemm_m`` curve, a GEMM's plateau at M ≥ 4096 and long K."""
-    memory: float = Field(default=0.6, gt=0, le=1)
+    memory: StrictFloat = Field(default=0.6, gt=0, le=1)
     """Fraction (0–1) of ``hbm_bandwidth_bytes_per_s`` a memory-bound pass reaches (ops, FP8 casts, the Adam
     update)."""
-    comm: float = Field(default=0.7, gt=0, le=1)
+    comm: StrictFloat = Field(default=0.7, gt=0, le=1)
     """Fraction (0–1) of a link's ``bandwidth_bytes_per_s`` a collective reaches, on both tiers."""
-    attention_fwd: float | None = Field(default=None, gt=0, le=1)
+    attention_fwd: StrictFloat | None = Field(default=None, gt=0, le=1)
     """Fraction (0–1) of the bf16 peak ``cube_flops`` the fused attention kernel's forward reaches, when a source
     gives it; None: ``compute``."""
-    attention_bwd: float | None = Field(default=None, gt=0, le=1)
+    attention_bwd: StrictFloat | None = Field(default=None, gt=0, le=1)
     """Fraction (0–1) of the bf16 peak the fused attention backward (dX) reaches, on FlashAttention's count of 2.5×
     the forward's FLOPs (cost_models/compute.py); None: ``compute`` on the traced FLOPs."""
-    gemm_m: tuple[tuple[int, Annotated[float, Field(gt=0, le=1)]], ...] | None = None
+    gemm_m: GemmCurve | None = None
     """A GEMM's throughput at M rows per device (the tokens per local expert for the grouped expert GEMM) as a
     fraction (0–1) of its plateau, ``[[M, fraction], ...]`` ascending M, interpolated in log M and clamped; applies
     to every matrix-unit GEMM but attention. None: the padded-tile model of cost_models/compute.py."""
-    fp8_gemm_m: tuple[tuple[int, Annotated[float, Field(gt=0, le=1)]], ...] | None = None
+    fp8_gemm_m: GemmCurve | None = None
     """As ``gemm_m``, for the GEMMs that run in FP8 (``training_dtype`` fp8; a fraction of ``fp8_flops``'s
     plateau). None: the padded-tile model for them."""
-    gemm_k0: float | None = Field(default=None, gt=0)
+    gemm_k0: StrictFloat | None = Field(default=None, gt=0, le=2**20)
     """A GEMM's pipeline fill and epilogue, elements of K: its main loop runs at ``K/(K + K0)``; used only with a
     ``gemm_m`` / ``fp8_gemm_m`` curve. None: no K factor."""
 
@@ -69,14 +87,14 @@ class LaunchCost(BaseModel):
     all-reduce).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-    matmul_s: float = Field(default=5e-6, ge=0)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+    matmul_s: StrictFloat = Field(default=5e-6, ge=0, le=MAX_SECONDS)
     """Device time per launch of a matrix-unit op on an ``"op"`` target, paid in the forward and again in each
     backward part (dX, dW), seconds."""
-    other_s: float = Field(default=2e-6, ge=0)
+    other_s: StrictFloat = Field(default=2e-6, ge=0, le=MAX_SECONDS)
     """Device time per launch of a vector-unit op on an ``"op"`` target (and of an FP8 cast pass), as
     ``matmul_s``, seconds."""
-    collective_s: float = Field(default=10e-6, ge=0)
+    collective_s: StrictFloat = Field(default=10e-6, ge=0, le=MAX_SECONDS)
     """Fixed cost of one collective or p2p transfer beside its α–β time (cost_models/comm.py), unless
     ``collective_latency_s`` lists its kind, seconds."""
     granularity: Literal["op", "kernel"] = "op"
@@ -88,19 +106,20 @@ class LaunchCost(BaseModel):
     ``forward_kernel_s`` or ``backward_kernel_s``, the kernel counts coming from the trace
     (``OpAnnotation.fwd_kernels`` etc.).
     """
-    forward_kernel_s: float = Field(default=0.0, ge=0)
+    forward_kernel_s: StrictFloat = Field(default=0.0, ge=0, le=MAX_SECONDS)
     """Cost per forward aten kernel on a ``"kernel"`` target, recording the autograd graph included (also each
     kernel of the eager optimizer step), seconds."""
-    backward_kernel_s: float = Field(default=0.0, ge=0)
+    backward_kernel_s: StrictFloat = Field(default=0.0, ge=0, le=MAX_SECONDS)
     """Cost per backward kernel on a ``"kernel"`` target: the autograd engine's per-node work included (also each
     gradient fan-out add and AccumulateGrad), seconds."""
-    host_launch_s: float = Field(default=0.0, ge=0)
+    host_launch_s: StrictFloat = Field(default=0.0, ge=0, le=MAX_SECONDS)
     """Host (CPU) time to issue one kernel or collective on an ``"op"`` target (framework dispatch + driver
     launch), seconds; 0 where unknown: the host then never limits the device (cost_models/timeline.py)."""
-    host_sync_s: float = Field(default=0.0, ge=0)
+    host_sync_s: StrictFloat = Field(default=0.0, ge=0, le=MAX_SECONDS)
     """The host's extra time at a device-to-host synchronisation (the dropless dispatcher's token-count copy) on an
     ``"op"`` target, seconds; 0 where unknown."""
-    collective_latency_s: dict[CommKind, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+    collective_latency_s: dict[CommKind, Annotated[StrictFloat, Field(ge=0, le=MAX_SECONDS)]] = Field(
+        default_factory=dict)
     """Measured fixed cost of one 2-rank collective per kind (calibrated targets), link latency and launch included,
     seconds; a listed kind costs that times its α step count at n ranks over that at 2, instead of
     ``steps·α + collective_s`` (cost_models/comm.py)."""
@@ -111,7 +130,7 @@ class RuntimeSupport(BaseModel):
     outside them is refused). Accelerators run plans through Megatron-LM / MindSpeed-LLM, which have all of them;
     the ``cpu`` emulator runs moeplan's own runtime."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
     schedules: tuple[ScheduleKind, ...] = SCHEDULES
     """Pipeline schedules the runtime executes (1f1b, interleaved, zero-bubble, zbv, dualpipev)."""
     dispatchers: tuple[Dispatcher, ...] = DISPATCHERS
@@ -126,28 +145,28 @@ class RuntimeSupport(BaseModel):
 class Target(BaseModel):
     """A device type and its cluster links."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
     name: str
     """The target's name, e.g. ``ascend-910b`` (a shipped target's file stem)."""
     backend: Literal["cpu", "cuda", "npu"]
     """The torch device type the runtime uses: ``cpu`` (gloo), ``cuda`` (NCCL) or ``npu`` (HCCL)."""
-    devices_per_node: int = Field(gt=0)
+    devices_per_node: StrictInt = Field(gt=0, le=MAX_NODE)
     """Devices per node, a count: a group within one node uses the ``intra_node`` link, else ``inter_node``."""
-    memory_bytes: float = Field(gt=0)
+    memory_bytes: StrictFloat = Field(gt=0, le=MAX_MEMORY)
     """Device memory (HBM) per device, bytes."""
-    usable_memory_fraction: float = Field(default=0.9, gt=0, le=1)
+    usable_memory_fraction: StrictFloat = Field(default=0.9, gt=0, le=1)
     """Fraction (0–1) of ``memory_bytes`` a plan may fill; the rest: framework, fragmentation."""
-    hbm_bandwidth_bytes_per_s: float = Field(gt=0)
+    hbm_bandwidth_bytes_per_s: StrictFloat = Field(ge=1, le=MAX_BANDWIDTH)
     """Device memory (HBM) bandwidth per device, bytes/s."""
-    cube_flops: float = Field(gt=0)
+    cube_flops: StrictFloat = Field(ge=1, le=MAX_FLOPS)
     """Dense bf16 peak of the matrix unit (tensor cores / Ascend cube) per device, FLOP/s; also MFU's peak."""
-    fp8_flops: float | None = Field(default=None, gt=0)
+    fp8_flops: StrictFloat | None = Field(default=None, ge=1, le=MAX_FLOPS)
     """Dense FP8 peak of the matrix unit per device, FLOP/s; None: no FP8."""
-    vector_flops: float = Field(gt=0)
+    vector_flops: StrictFloat = Field(ge=1, le=MAX_FLOPS)
     """Peak of the vector unit per device, FLOP/s."""
-    matmul_alignment: int = Field(default=16, gt=0)
+    matmul_alignment: StrictInt = Field(default=16, gt=0, le=2**12)
     """GEMM tile edge, elements: GEMM dims off a multiple of this lose efficiency."""
-    host_bandwidth_bytes_per_s: float = Field(gt=0)
+    host_bandwidth_bytes_per_s: StrictFloat = Field(ge=1, le=MAX_BANDWIDTH)
     """Device↔host copy bandwidth per device (activation swap), bytes/s."""
     intra_node: Link
     """The link between devices of one node."""
@@ -160,7 +179,7 @@ class Target(BaseModel):
     training_dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
     """The dtype the runtime trains in; ``fp8`` runs the decoder layers' GEMMs in FP8 at ``fp8_flops`` and keeps
     the rest in bf16 (DeepSeek-V3 arXiv 2412.19437 §3.3)."""
-    comm_compute_slowdown: float = Field(default=0.0, ge=0)
+    comm_compute_slowdown: StrictFloat = Field(default=0.0, ge=0, le=10)
     """How much slower compute runs while a collective of the device is in flight, a fraction (0.33: 33% longer
     for the overlapping time); 0 where unknown."""
     runtime: RuntimeSupport = RuntimeSupport()
@@ -191,31 +210,35 @@ def load_target(name: str, *, variant: str | None = None, devices_per_node: int 
                 training_dtype: str | None = None) -> Target:
     """Load a shipped target by name (or a path to a target YAML file).
 
-    Raises TargetError: unknown name or variant, malformed YAML, or a field that breaks the schema.
+    Raises TargetError: unknown name or variant, unreadable or malformed YAML, or a field that breaks the schema
+    (types and the bounds of docs/inputs.md).
     """
-    if ":" in name and variant is None:
+    if ":" in name and variant is None and not Path(name).exists():
         name, variant = name.split(":", 1)
     path = Path(name)
     if path.suffix in (".yaml", ".yml") and path.exists():
-        text, label = path.read_text(), str(path)
+        data, label = read_yaml(path, field="target", error=TargetError), str(path)
     elif name in target_names():
-        text, label = (_DIR / f"{name}.yaml").read_text(), name
+        data, label = yaml.safe_load((_DIR / f"{name}.yaml").read_text()), name
     else:
         raise TargetError(f"target={name!r}: unknown; choose one of {', '.join(target_names())} or a target .yaml")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise TargetError(f"target={label!r}: malformed YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
-        raise TargetError(f"target={label!r}: a target file must hold a mapping")
+        raise TargetError(f"target={label!r}: a target file must hold a mapping, got {type(data).__name__}")
     variants = data.pop("variants", {}) or {}
     default_variant = data.pop("default_variant", None)
+    if not isinstance(variants, dict) or not all(isinstance(k, str) and isinstance(v, dict)
+                                                 for k, v in variants.items()):
+        raise TargetError(f"variants={variants!r:.60}: must map each variant name to a mapping of fields "
+                          f"(target {label})")
+    if default_variant is not None and (not isinstance(default_variant, str) or default_variant not in variants):
+        raise TargetError(f"default_variant={default_variant!r:.60}: must be one of the variants "
+                          f"({', '.join(sorted(variants)) or 'none'}) (target {label})")
     variant = variant or default_variant
-    if not isinstance(variants, dict) or not all(isinstance(v, dict) for v in variants.values()):
-        raise TargetError(f"variants={variants!r}: must map each variant name to a mapping of fields (target {label})")
     if variant is not None:
+        if not variants:
+            raise TargetError(f"variant={variant!r}: target {label} has no variants; name it without ':{variant}'")
         if variant not in variants:
-            raise TargetError(f"variant={variant!r}: target {label} has variants {sorted(variants) or 'none'}")
+            raise TargetError(f"variant={variant!r}: target {label} has variants {', '.join(sorted(variants))}")
         data.update(variants[variant])
         data["variant"] = variant
     if devices_per_node is not None:
@@ -225,11 +248,7 @@ def load_target(name: str, *, variant: str | None = None, devices_per_node: int 
     try:
         target = Target.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "missing":
-            raise TargetError(f"{field}: required field missing (target {label})") from None
-        raise TargetError(f"{field}={err.get('input')!r}: {err['msg']} (target {label})") from None
+        raise TargetError(validation_message(e.errors()[0], where=f"target {label}")) from None
     if target.training_dtype == "fp8" and target.fp8_flops is None:
         raise TargetError(f"training_dtype='fp8': target {label} has no FP8 matrix unit (fp8_flops is not set)")
     return target

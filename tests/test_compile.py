@@ -16,7 +16,7 @@ ASCEND = load_target("ascend-910b")
 
 @pytest.fixture(scope="module")
 def pangu_fixed():
-    # the reported layout (docs/references.md §1) on MindSpeed's interleaved schedule, DP and PP communication overlapped
+    # the reported layout (docs/references.md §1.1) on MindSpeed's interleaved schedule, DP and PP communication overlapped
     fixed = Fixed(global_batch=6144, seq_len=4096, tp=8, pp=16, vpp=2, ep=4, etp=1, cp=1, micro_batch=2,
                   schedule="interleaved", overlap=frozenset({"dp", "pp"}))
     return compile_model(spec=PANGU, target=ASCEND, num_devices=6144, fixed=fixed, workers=1)

@@ -57,8 +57,8 @@ def test_flat_bytes_per_tier_hand_counted():
     assert c.wire_inter_bytes == pytest.approx(copies * 24 / 32)
 
 
-def test_hierarchical_halves_the_inter_node_bytes_of_facts_3():
-    """docs/references.md §3: EP over 4 nodes with top-8, flat sends k·(1 − 1/4) = 6 token copies off-node per token, the
+def test_hierarchical_halves_the_inter_node_bytes_of_the_volume_sketch():
+    """docs/references.md §3.2: EP over 4 nodes with top-8, flat sends k·(1 − 1/4) = 6 token copies off-node per token, the
     hierarchical all-gather 4 − 1 = 3 (plus the routing metadata)."""
     t, h, k, row = 4096, 7680, 8, 7680 * 2
     routing = Routing(256, k)

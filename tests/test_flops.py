@@ -27,7 +27,7 @@ def test_deepseek_v3_acceptance():
 
 def test_pangu_ultra_acceptance():
     counts = count_params(load_spec("pangu-ultra-moe-718b"))
-    assert _close(counts.total, 719 * B, 0.002)  # docs/references.md §1: ≈719B from the config, without MTP
+    assert _close(counts.total, 719 * B, 0.002)  # docs/references.md §1.1: ≈719B from the config, without MTP
     assert _close(counts.activated - counts.output, 39.2 * B, 0.002)  # docs/references.md §1.1: 39.2B counting one vocab matrix
     assert _close(counts.activated, 40.37 * B, 0.001)  # our convention: embedding and output matrix both counted
 

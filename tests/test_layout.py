@@ -10,7 +10,7 @@ KW = dict(num_devices=6144, devices_per_node=8, num_heads=128, num_kv_heads=0, n
 def test_pangu_layout_is_valid_and_derived_sizes():
     check_layout(PANGU, **KW)
     assert PANGU.num_microbatches == 64
-    assert PANGU.expert_shards == 32 and PANGU.tp_extend_ep  # 8 experts per NPU (docs/references.md §1)
+    assert PANGU.expert_shards == 32 and PANGU.tp_extend_ep  # 8 experts per NPU (docs/references.md §1.1)
     assert PANGU.expert_dp == 12 and PANGU.world_size == 6144
 
 
@@ -33,3 +33,17 @@ def test_rules(change, match):
 def test_tp_must_divide_heads():
     with pytest.raises(LayoutError, match=r"tp=8: must divide the attention heads \(12\)"):
         check_layout(PANGU, **{**KW, "num_heads": 12})
+
+
+def test_too_many_microbatches_are_a_typed_rejection():
+    from moeplan.layout import MAX_MICROBATCHES, layout_rejection
+
+    model = dict(num_devices=4, devices_per_node=4, num_heads=4, num_kv_heads=0, num_experts=8, num_layer_slots=6)
+    lay = Layout(tp=1, pp=1, vpp=1, ep=1, etp=1, cp=1, micro_batch=1, dp=4, global_batch=4 * MAX_MICROBATCHES,
+                 seq_len=64)
+    assert layout_rejection(lay, **model) is None
+    big = Layout(tp=1, pp=1, vpp=1, ep=1, etp=1, cp=1, micro_batch=1, dp=4, global_batch=4 * MAX_MICROBATCHES + 4,
+                 seq_len=64)
+    r = layout_rejection(big, **model)
+    assert r is not None and r.reason == "microbatches" and r.figure == MAX_MICROBATCHES
+    assert "65,537 micro-batches per replica" in r.message

@@ -59,7 +59,7 @@ def test_ascend_910c_is_one_scale_up_domain() -> None:
     assert t.intra_node.bandwidth_bytes_per_s == 196e9
 
 
-def test_nvidia_peaks_follow_facts() -> None:
+def test_nvidia_peaks_follow_the_datasheets() -> None:
     assert load_target("a100").cube_flops == 312e12
     for name in ("h100", "h800", "h200"):
         assert abs(load_target(name).cube_flops - 989e12) < 1e12

@@ -1,7 +1,8 @@
 """Attention blocks: Multi-head Latent Attention (DeepSeek-V2 §2.1, DeepSeek-V3 §2.1) and grouped-query attention.
 
 Both take and return hidden states ``[b, s, h]`` and use rotary position embeddings on positions ``0..s-1``. The
-softmax scale is ``qk_head_dim^-0.5`` (MLA: nope + rope width, 192^-0.5 for DeepSeek-V3 / Pangu Ultra MoE, docs/references.md §1).
+softmax scale is ``qk_head_dim^-0.5`` (MLA: nope + rope width, 192^-0.5 for DeepSeek-V3 / Pangu Ultra MoE,
+docs/references.md §1.1, §1.3).
 Every class declares ``SHARD``: how each child's work divides over tensor parallelism (read by the tracer;
 key ``""`` is the hint for the module's own elementwise ops), following Megatron-LM's MLA/GQA layers: the MLA down
 projections and their norms are replicated on every TP rank, everything per-head is split by heads.

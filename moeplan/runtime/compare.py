@@ -12,8 +12,8 @@ recompute mode per PP rank) and the schedule (number of micro-batches and sends)
 - ``comm pp`` = ``prediction.exposed_comm_s["pp"]``, the simulated wait for p2p transfers; the measured figure is the
   time spent in RECV actions, which also holds the wait for the producing stage (pipeline bubble);
 - bytes per class: in-layer collectives M · Σ bytes; ``pp`` the p2p message bytes times the rank's SENDs; ``dp``
-  (when the experts reduce over the same group as the dense parameters, ep = 1) the runtime's fp32 reduce-scatter
-  input and all-gather shard of the rank's parameters, ``4·P·(1 + 1/(dp·cp))``;
+  (rows named ``grad sync``; predicted when the experts reduce over the same group as the dense parameters, ep = 1)
+  the runtime's fp32 reduce-scatter input and all-gather shard of the rank's parameters, ``4·P·(1 + 1/(dp·cp))``;
 - peak saved-activation bytes on the device: ``memory.ranks[r].activation_bytes``; swapped to host (a per-tensor
   plan): per chunk, its layers' swapped bytes (``memory.ranks[r].decisions``) times the micro-batches the action
   list keeps in flight, at the fullest point (:func:`predicted_host_bytes`).
@@ -27,6 +27,13 @@ shorter) of each step's value; per-PP-rank figures average the ranks of that PP 
 ``--meter-every K > 1`` has unmetered steps: times (step, actions, p2p, optimizer) come from those, which the
 saved-tensor hooks and the collective meter did not slow down, and the saved-activation peaks and in-layer
 collectives from the metered ones.
+
+Busy machine (:func:`busy_warning`): over the same steps, the CPU time other processes used on rank 0's machine
+(its busy CPU-seconds from /proc/stat minus the CPU seconds of the run's ranks there: global ranks 0 to
+``LOCAL_WORLD_SIZE − 1``, as torchrun numbers them, or every rank of a local run) plus the time the hypervisor
+stole, beyond the CPUs the run leaves idle (``cpus − min(ranks, cpus)``), as a share of the CPUs the run's ranks
+could use. Above ``BUSY_SHARE`` the measured times are not comparable with the prediction, which assumes each rank
+has its CPU to itself (each emulated device is one single-threaded process, ``OMP_NUM_THREADS=1``).
 """
 from __future__ import annotations
 
@@ -39,10 +46,19 @@ from moeplan.cost_models.timeline import parse_action
 from moeplan.errors import PlanError
 from moeplan.ir import kind_of
 from moeplan.plan import Plan
+from moeplan.render import plural
 from moeplan.runtime.metrics import StepRecord
 
 RUNTIME_BYTES = 4
 IN_LAYER = ("tp", "ep", "cp")
+ROW_NAMES = {"dp": "grad sync"}
+"""Row names of comm classes that differ from the class: the runtime's ``dp`` class is every gradient
+synchronisation of the optimizer phase (the DP/CP reduce-scatter and parameter all-gather, and the all-reduce of
+tied embedding gradients between PP ranks, which runs with dp = 1 too)."""
+BUSY_SHARE = 0.10
+"""Share of the run's CPUs taken by other work above which compare warns: a single-threaded rank that loses a share
+s of its CPU runs about 1/(1 − s) times slower, so 10% makes measured times about 11% longer, an error as large as
+the ones the comparison is read for."""
 
 
 @dataclass(frozen=True)
@@ -165,10 +181,11 @@ def compare(plan: Plan, records: list[StepRecord], *, first_step: int = 5) -> li
                 rows.append(Row(f"{tag} {kind}", "s", pred.get(kind), meas.get(kind, 0.0)))
         for cls in (*IN_LAYER, "pp", "dp"):
             if f"comm:{cls}" in pred or f"comm:{cls}" in meas:
-                rows.append(Row(f"{tag} comm {cls}", "s", pred.get(f"comm:{cls}"), meas.get(f"comm:{cls}", 0.0)))
+                rows.append(Row(f"{tag} comm {ROW_NAMES.get(cls, cls)}", "s", pred.get(f"comm:{cls}"),
+                                meas.get(f"comm:{cls}", 0.0)))
         for cls in (*IN_LAYER, "pp", "dp"):
             if f"bytes:{cls}" in pred or f"bytes:{cls}" in meas:
-                rows.append(Row(f"{tag} bytes {cls}", "bytes", pred.get(f"bytes:{cls}"),
+                rows.append(Row(f"{tag} bytes {ROW_NAMES.get(cls, cls)}", "bytes", pred.get(f"bytes:{cls}"),
                                 meas.get(f"bytes:{cls}", 0.0)))
         rows.append(Row(f"{tag} peak saved activations", "bytes",
                         plan.memory.ranks[pp_rank].activation_bytes * _byte_scale(plan),
@@ -176,6 +193,36 @@ def compare(plan: Plan, records: list[StepRecord], *, first_step: int = 5) -> li
         rows.append(Row(f"{tag} peak swapped activations (host)", "bytes",
                         predicted_host_bytes(plan, pp_rank) * _byte_scale(plan), meas.get("peak_host_bytes", 0.0)))
     return [r for r in rows if r.measured or r.predicted]
+
+
+def busy_warning(records: list[StepRecord], *, first_step: int = 5) -> str | None:
+    """One line when rank 0's machine was busy with other work during the compared steps (see the module docstring
+    for the measure and ``BUSY_SHARE`` for the threshold), or when the run had more ranks than CPUs there; None when
+    neither, or when the metrics do not say (files written before the host figures, or not on Linux)."""
+    window = [r for r in _window(records, first_step) if r.host is not None]
+    if not window or any(rank.cpu_s < 0 for r in window for rank in r.ranks):
+        return None
+    cpus = max(r.host.cpus for r in window)
+    local = window[0].host.local_ranks or len(window[0].ranks)
+    wall = sum(r.host.wall_s for r in window)
+    run_cpu = sum(rank.cpu_s for r in window for rank in r.ranks[:local])
+    others = max(0.0, sum(r.host.busy_cpu_s for r in window) - run_cpu) / wall
+    stolen = sum(r.host.steal_cpu_s for r in window) / wall
+    usable = min(local, cpus)
+    share = max(0.0, others + stolen - (cpus - usable)) / usable
+    notes = []
+    if share > BUSY_SHARE:
+        notes.append(f"other processes used {others:.2f} and the hypervisor stole {stolen:.2f} of the "
+                     f"{plural(cpus, 'CPU')}, "
+                     f"{share:.0%} of the CPU time the run's {local} ranks could use (warning above "
+                     f"{BUSY_SHARE:.0%})")
+    if local > cpus:
+        notes.append(f"the run's {local} ranks shared {plural(cpus, 'CPU')}")
+    if not notes:
+        return None
+    return (f"the machine was busy during steps {window[0].step}-{window[-1].step}: " + "; ".join(notes) +
+            f"; 1-minute load average up to {max(r.host.load_1m for r in window):.1f}. Measured times are longer than "
+            f"on an idle machine and not comparable with the prediction")
 
 
 def predicted_host_bytes(plan: Plan, pp_rank: int) -> float:

@@ -10,15 +10,17 @@
 - :func:`launch_local` starts ``num_devices`` processes of :mod:`moeplan.runtime.worker` on this machine with
   torch.distributed's own elastic launcher (what ``torchrun --standalone`` runs: c10d rendezvous on localhost, no
   restarts, ``OMP_NUM_THREADS=1`` per rank). If a rank dies (signal or exception), the agent stops the others and
-  :class:`RunFailed` names the first failed rank.
-- :func:`torchrun_command` is the command to run on every node for a ``cuda``/``npu`` target.
+  :class:`RunFailed` names the first failed rank. A signal to the launcher (Ctrl-C: SIGINT to the whole process
+  group) stops every rank and raises :class:`RunInterrupted`; the ranks themselves exit quietly
+  (:func:`moeplan.runtime.worker.exit_on_interrupt`).
+- :func:`torchrun_command` is the command to run on every node for a ``cuda``/``npu`` target (or for any target,
+  ``moeplan run --print-command``); it runs ``moeplan run`` with the same options on every rank.
 
 Backends by target: ``cpu`` → gloo, ``cuda`` → nccl, ``npu`` → hccl (``torch_npu``, imported lazily; untested).
 """
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shlex
 import signal
@@ -42,9 +44,26 @@ class RunFailed(MoeplanError):
     """A rank of a launched run failed; the message names the rank and why."""
 
 
+class RunInterrupted(RunFailed):
+    """The launcher got a signal (Ctrl-C: SIGINT) and stopped every rank. ``exit_code`` is the shell's convention
+    for a process ended by that signal, 128 + its number (130 for SIGINT; POSIX ``wait`` status, as bash reports it:
+    https://www.gnu.org/software/bash/manual/html_node/Exit-Status.html)."""
+
+    def __init__(self, sig: signal.Signals, checkpoint_dir: str | None):
+        from moeplan.runtime.checkpoint import newest_checkpoint
+
+        ref = newest_checkpoint(checkpoint_dir) if checkpoint_dir else None
+        where = (f"newest complete checkpoint: step {ref.step} ({ref.path}), continue with --resume" if ref else
+                 f"no complete checkpoint under {checkpoint_dir}" if checkpoint_dir else "no --checkpoint-dir")
+        super().__init__(f"interrupted by {sig.name}; every rank was stopped; {where}")
+        self.exit_code = 128 + sig.value
+
+
 @dataclass(frozen=True)
 class RunRequest:
-    """What ``moeplan run`` asks every rank to do; passed to the workers as command-line arguments."""
+    """What ``moeplan run`` asks every rank to do; passed to the workers as command-line arguments, spelled as
+    ``moeplan run`` spells its options (``timeout_s`` is ``--timeout``), so that one argument list serves both the
+    worker and the ``torchrun ... -m moeplan.cli run`` command."""
 
     plan: str
     steps: int
@@ -59,13 +78,14 @@ class RunRequest:
     meter_every: int = 1
 
     def argv(self) -> list[str]:
+        """The plan path, then every set field as its ``moeplan run`` option (``--checkpoint-every 2``)."""
         out = [self.plan]
         for f in fields(self)[1:]:
             value = getattr(self, f.name)
             if isinstance(value, bool):
-                out += [f"--{f.name}"] if value else []
+                out += [_option(f.name)] if value else []
             elif value is not None:
-                out += [f"--{f.name}", str(value)]
+                out += [_option(f.name), str(value)]
         return out
 
     @staticmethod
@@ -73,12 +93,18 @@ class RunRequest:
         """Inverse of :meth:`argv`."""
         convert = {"steps": int, "checkpoint_every": int, "seed": int, "lr": float, "timeout_s": float,
                    "meter_every": int}
+        field = {_option(f.name): f.name for f in fields(RunRequest)}
         values: dict[str, object] = {"plan": argv[0]}
         it = iter(argv[1:])
         for flag in it:
-            name = flag[2:]
+            name = field[flag]
             values[name] = True if name == "resume" else convert.get(name, str)(next(it))
         return RunRequest(**values)
+
+
+def _option(name: str) -> str:
+    """The ``moeplan run`` option of a RunRequest field."""
+    return "--timeout" if name == "timeout_s" else "--" + name.replace("_", "-")
 
 
 def under_torchrun() -> bool:
@@ -173,12 +199,20 @@ def check_backend(backend: Literal["cpu", "cuda", "npu"]) -> None:
 
 
 def torchrun_command(plan: Plan, request: RunRequest) -> str:
-    """The command to run on every node of a cluster (node rank and master address from the environment)."""
+    """The POSIX shell command to run once on every node: ``torchrun`` starts ``devices_per_node`` ranks there
+    (all of them on one node for a smaller plan), each running ``moeplan run`` with ``request``'s options. The
+    nodes meet at the c10d rendezvous on ``$MASTER_ADDR:$MASTER_PORT`` (default ``localhost:29500``: one node needs
+    no environment), which assigns the node ranks (torchrun's multi-node form:
+    https://pytorch.org/docs/stable/elastic/run.html). Raises PlanError when the devices do not fill whole nodes
+    (torchrun starts the same number of ranks on every node)."""
     per_node = min(plan.target.devices_per_node, plan.layout.num_devices)
-    nnodes = math.ceil(plan.layout.num_devices / per_node)
+    nnodes, rest = divmod(plan.layout.num_devices, per_node)
+    if rest:
+        raise PlanError(f"layout.num_devices={plan.layout.num_devices}: not a multiple of target.devices_per_node="
+                        f"{per_node}; torchrun starts the same number of ranks on every node")
     args = " ".join(shlex.quote(a) for a in request.argv())
-    return (f"torchrun --nnodes {nnodes} --nproc-per-node {per_node} --node-rank $NODE_RANK "
-            f"--rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 -m moeplan.cli run {args}")
+    return (f"torchrun --nnodes {nnodes} --nproc-per-node {per_node} --rdzv-backend c10d "
+            f'--rdzv-endpoint "${{MASTER_ADDR:-localhost}}:${{MASTER_PORT:-29500}}" -m moeplan.cli run {args}')
 
 
 # What a rank's collective raises when a peer process died: that rank is a casualty, not the cause.
@@ -208,22 +242,35 @@ def _failure_line(error: Exception) -> str:
         why = reason[0]
     elif failure.exitcode < 0:
         why = f"killed by signal {-failure.exitcode} ({failure.signal_name()})"
+    elif failure.exitcode == 128 + signal.SIGINT:  # a rank that got SIGINT alone (worker.exit_on_interrupt)
+        why = "interrupted by SIGINT"
     else:
         why = f"exit code {failure.exitcode}"
     return f"rank {rank} failed: {why}; the other ranks were stopped"
 
 
 def launch_local(plan: Plan, request: RunRequest) -> None:
-    """Run ``request`` on ``plan.layout.num_devices`` local processes; raises RunFailed naming the failed rank."""
+    """Run ``request`` on ``plan.layout.num_devices`` local processes; raises RunFailed naming the failed rank, or
+    RunInterrupted when this process got SIGINT (Ctrl-C), SIGTERM, SIGHUP or SIGQUIT (the agent has stopped the
+    ranks by then)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every rank
-    quiet = logging.getLogger("torch.distributed.elastic")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)
+    # hide the agent's log lines ("Received 2 death signal", "failed (exitcode: 1)"): torch gives each of its
+    # loggers an explicit level (torch/distributed/elastic/utils/logging.py) and creates some during the launch, so
+    # the filter sits on the handlers their records reach
+    def quiet(record: logging.LogRecord) -> bool:
+        return not record.name.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))
+
+    handlers, logger = [], logging.getLogger("torch.distributed.elastic")
+    while logger is not None:
+        handlers += logger.handlers
+        logger = logger.parent if logger.propagate else None
+    for handler in handlers:
+        handler.addFilter(quiet)
     try:
         with tempfile.TemporaryDirectory(prefix="moeplan-run-") as logs:
             config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=plan.layout.num_devices,
@@ -234,8 +281,9 @@ def launch_local(plan: Plan, request: RunRequest) -> None:
     except ChildFailedError as e:
         raise RunFailed(_failure_line(e)) from None
     except SignalException as e:
-        raise RunFailed(f"interrupted by signal {e.sigval.name}; every rank was stopped") from None
-    except ValueError as e:  # torch elastic read a failed rank's error file while that rank was still writing it
-        raise RunFailed(f"a rank failed and its error report could not be read ({e}); every rank was stopped") from None
+        raise RunInterrupted(e.sigval, request.checkpoint_dir) from None
+    except KeyboardInterrupt:  # Ctrl-C before the agent installed its signal handlers; its shutdown stopped the ranks
+        raise RunInterrupted(signal.SIGINT, request.checkpoint_dir) from None
     finally:
-        quiet.setLevel(level)
+        for handler in handlers:
+            handler.removeFilter(quiet)

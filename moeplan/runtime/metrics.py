@@ -13,14 +13,19 @@ class, and the JSON line each step writes.
   few microseconds, so it runs only on metered steps and only on ranks with in-layer groups. The bytes of the
   in-layer collectives come from the layers' own tally (moeplan.runtime.parallel.CommLog, every step); the
   runtime's p2p and optimizer traffic is recorded directly with :meth:`CommTotals.add`.
+- How busy the machine was (for ``moeplan compare``'s warning): every :class:`RankStep` records its process's CPU
+  seconds since the previous one (``time.process_time``, all threads), and every :class:`StepRecord` the machine's
+  CPU accounting since the previous one (:class:`HostLoad`: busy and stolen CPU-seconds from ``/proc/stat``, the
+  1-minute load average). Both are taken when the record is built, at the end of the step.
 """
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Mapping
 
 import torch
 from torch.distributed.distributed_c10d import ProcessGroup, Work
@@ -176,6 +181,72 @@ class CommMeter(TorchDispatchMode):
         return out
 
 
+def _proc_stat() -> tuple[float, float, int] | None:
+    """Busy (user + nice + system) and stolen CPU-seconds since boot, summed over the machine's CPUs, and the number
+    of CPUs, from the ``cpu`` lines of /proc/stat (proc(5); ticks of ``SC_CLK_TCK``); None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    ticks = [int(x) for x in lines[0].split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    cpus = sum(1 for ln in lines if ln.startswith("cpu") and ln[3:4].isdigit())
+    return sum(ticks[:3]) / hz, (ticks[7] if len(ticks) > 7 else 0) / hz, cpus
+
+
+class _Since:
+    """The increase of each figure of ``read()`` since the previous call (since construction, for the first); None
+    when ``read()`` returns None."""
+
+    def __init__(self, read: Callable[[], tuple[float, ...] | None]) -> None:
+        self._read = read
+        self._last = read()
+
+    def __call__(self) -> tuple[float, ...] | None:
+        now, last = self._read(), self._last
+        self._last = now
+        return None if now is None or last is None else tuple(a - b for a, b in zip(now, last))
+
+
+_PROCESS_CPU = _Since(lambda: (time.process_time(),))
+
+
+def _host_reading() -> tuple[float, float, float] | None:
+    stat = _proc_stat()
+    return None if stat is None else (time.perf_counter(), stat[0], stat[1])
+
+
+_HOST = _Since(_host_reading)
+
+
+@dataclass(frozen=True)
+class HostLoad:
+    """What the machine of global rank 0 did between two step records (about one step), for telling whether other
+    work competed with the run: wall seconds, CPU-seconds busy (user + nice + system) and stolen by the hypervisor,
+    summed over all ``cpus`` CPUs of /proc/stat (proc(5)), the 1-minute load average at the end (runnable and
+    uninterruptible tasks, the run's own included) and the run's ranks on this machine (``LOCAL_WORLD_SIZE``, set by
+    torch's elastic launcher; None outside it)."""
+
+    wall_s: float
+    busy_cpu_s: float
+    steal_cpu_s: float
+    cpus: int
+    load_1m: float
+    local_ranks: int | None
+
+    @staticmethod
+    def measure() -> "HostLoad | None":
+        """The figures since the previous call in this process (since import, for the first); None without
+        /proc/stat (not Linux)."""
+        delta, stat = _HOST(), _proc_stat()
+        if delta is None or stat is None:
+            return None
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        return HostLoad(wall_s=delta[0], busy_cpu_s=delta[1], steal_cpu_s=delta[2], cpus=stat[2],
+                        load_1m=os.getloadavg()[0], local_ranks=int(local) if local else None)
+
+
 @dataclass(frozen=True)
 class RankStep:
     """What one rank measured in one step: seconds per action kind (F, B, SEND_F, ...), seconds and bytes per comm
@@ -189,6 +260,9 @@ class RankStep:
     comm_bytes: Mapping[str, int]
     peak_saved_bytes: int
     peak_host_bytes: int = 0  # swapped activations held on the host (moeplan.runtime.activations)
+    cpu_s: float = field(default_factory=lambda: _PROCESS_CPU()[0])
+    """CPU seconds (user + system, all threads) this rank's process used since it built its previous RankStep (since
+    the module was imported, for the first): about one step; -1 where unknown (metrics written before the field)."""
 
 
 ACTION_KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_WAIT", "OPTIMIZER")
@@ -196,7 +270,8 @@ ACTION_KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEN
 
 def rank_step_vector(step: RankStep) -> torch.Tensor:
     """Pack a RankStep into a float64 vector (fixed layout) for an all-gather across ranks."""
-    values = [float(step.rank), float(step.pp_rank), float(step.peak_saved_bytes), float(step.peak_host_bytes)]
+    values = [float(step.rank), float(step.pp_rank), float(step.peak_saved_bytes), float(step.peak_host_bytes),
+              step.cpu_s]
     values += [step.action_s.get(k, 0.0) for k in ACTION_KINDS]
     values += [step.comm_s.get(c, 0.0) for c in COMM_CLASSES]
     values += [float(step.comm_bytes.get(c, 0)) for c in COMM_CLASSES]
@@ -205,10 +280,10 @@ def rank_step_vector(step: RankStep) -> torch.Tensor:
 
 def rank_step_from_vector(v: torch.Tensor) -> RankStep:
     vals = v.tolist()
-    a, c = 4, 4 + len(ACTION_KINDS)
+    a, c = 5, 5 + len(ACTION_KINDS)
     b = c + len(COMM_CLASSES)
     return RankStep(rank=int(vals[0]), pp_rank=int(vals[1]), peak_saved_bytes=int(vals[2]),
-                    peak_host_bytes=int(vals[3]),
+                    peak_host_bytes=int(vals[3]), cpu_s=vals[4],
                     action_s={k: x for k, x in zip(ACTION_KINDS, vals[a:c]) if x},
                     comm_s={k: x for k, x in zip(COMM_CLASSES, vals[c:b]) if x},
                     comm_bytes={k: int(x) for k, x in zip(COMM_CLASSES, vals[b:]) if x})
@@ -216,8 +291,9 @@ def rank_step_from_vector(v: torch.Tensor) -> RankStep:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One JSON line of ``--metrics``: the step (1-based), its loss, wall time and throughput, and every rank's
-    measurements (``ranks``, ordered by global rank)."""
+    """One JSON line of ``--metrics``: the step (1-based), its loss, wall time and throughput, every rank's
+    measurements (``ranks``, ordered by global rank) and how busy rank 0's machine was (``host``, measured when the
+    record is built; None where unknown)."""
 
     step: int
     loss: float
@@ -225,6 +301,7 @@ class StepRecord:
     tokens_per_s: float
     grad_norm: float
     ranks: tuple[RankStep, ...]
+    host: HostLoad | None = field(default_factory=HostLoad.measure)
 
     @property
     def metered(self) -> bool:
@@ -234,10 +311,11 @@ class StepRecord:
         return json.dumps({
             "step": self.step, "loss": self.loss, "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s, "grad_norm": self.grad_norm,
+            "host": None if self.host is None else asdict(self.host),
             "ranks": [{"rank": r.rank, "pp_rank": r.pp_rank, "action_s": dict(r.action_s), "comm_s": dict(r.comm_s),
                        "comm_bytes": dict(r.comm_bytes),
                        "peak_saved_bytes": r.peak_saved_bytes if r.peak_saved_bytes >= 0 else None,
-                       "peak_host_bytes": r.peak_host_bytes}
+                       "peak_host_bytes": r.peak_host_bytes, "cpu_s": r.cpu_s}
                       for r in self.ranks]})
 
     @staticmethod
@@ -246,7 +324,9 @@ class StepRecord:
         ranks = tuple(RankStep(rank=r["rank"], pp_rank=r["pp_rank"], action_s=r["action_s"], comm_s=r["comm_s"],
                                comm_bytes=r["comm_bytes"],
                                peak_saved_bytes=-1 if r["peak_saved_bytes"] is None else r["peak_saved_bytes"],
-                               peak_host_bytes=r.get("peak_host_bytes", 0))
+                               peak_host_bytes=r.get("peak_host_bytes", 0), cpu_s=r.get("cpu_s", -1.0))
                       for r in d["ranks"])
+        host = d.get("host")
         return StepRecord(step=d["step"], loss=d["loss"], step_time_s=d["step_time_s"],
-                          tokens_per_s=d["tokens_per_s"], grad_norm=d["grad_norm"], ranks=ranks)
+                          tokens_per_s=d["tokens_per_s"], grad_norm=d["grad_norm"], ranks=ranks,
+                          host=None if host is None else HostLoad(**host))

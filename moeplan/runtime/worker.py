@@ -9,21 +9,53 @@ One step: the global batch of the step (moeplan.runtime.data) → this rank's mi
 gradients → tied-gradient sums across PP → the distributed optimizer
 (ZeRO-1 AdamW, clipping) → an all-gather of every rank's measurements → rank 0 writes the JSON line and advances
 the progress bar; every ``checkpoint_every`` steps a checkpoint.
+
+A rank reports its own exception to torch elastic in the error file the agent names (:func:`run_rank`), written
+atomically; SIGINT (Ctrl-C) ends it at once, quietly, with exit code 130 (:func:`exit_on_interrupt`): the launcher
+prints the one line.
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
+
+def exit_on_interrupt(before_exit: Callable[[], None] | None = None) -> None:
+    """Make SIGINT end this process at once with exit code 130 (128 + SIGINT) and no traceback, after
+    ``before_exit`` (rank 0 restores the terminal under its progress bar).
+
+    Ctrl-C sends SIGINT to every process of the terminal's foreground group: the launcher and every rank. A rank
+    that raised KeyboardInterrupt would print a traceback, and its peers, whose collectives then break, another
+    each; the launcher alone reports the interrupt. Python runs the handler between bytecodes, so a rank blocked in
+    a collective exits when the collective returns, at the latest when its peers' exits break it. What was written
+    stays consistent: a checkpoint is published by a rename (moeplan.runtime.checkpoint), a metrics line by one
+    ``write`` call.
+    """
+    def handler(signum: int, frame) -> None:
+        if before_exit is not None:
+            before_exit()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, handler)
+
+
+if __name__ == "__main__":  # a rank: a Ctrl-C while the imports below load (seconds) must be quiet as well
+    exit_on_interrupt()
+
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
+from moeplan.files import write_atomic
 from moeplan.plan import Plan, load_plan
 from moeplan.runtime.build import LayerDict, build_rank_modules, tp_replicated_params
 from moeplan.runtime.checkpoint import load_checkpoint, newest_checkpoint, rank_state, save_checkpoint
@@ -143,6 +175,8 @@ def _comm_device(plan: Plan) -> torch.device:
 
 
 def _resume(plan: Plan, request: RunRequest, setup: RankSetup, step_tensor: torch.Tensor) -> int:
+    """Collective: load the newest complete checkpoint into this rank; the number of steps it had finished (0 when
+    there is none). Rank 0 says on stderr which checkpoint it resumed from."""
     ref = newest_checkpoint(request.checkpoint_dir) if request.checkpoint_dir else None
     if ref is None:
         if dist.get_rank() == 0:
@@ -152,6 +186,9 @@ def _resume(plan: Plan, request: RunRequest, setup: RankSetup, step_tensor: torc
     state = rank_state(dist.get_rank(), setup.modules, setup.optimizer.state_tensors(), step_tensor)
     load_checkpoint(state, ref, layout=plan.layout)
     setup.optimizer.sync_params()
+    if dist.get_rank() == 0:
+        print(f"moeplan run: resumed from checkpoint {ref.path} (after step {ref.step}); running steps "
+              f"{ref.step + 1}..{request.steps}", file=sys.stderr)
     return int(step_tensor.item())
 
 
@@ -197,7 +234,8 @@ def train(plan: Plan, request: RunRequest, *, device: torch.device,
 
 
 def _progress(total: int, start: int):
-    """A rich progress bar on stderr (loss, step time, tokens/s) and the per-step update function."""
+    """A rich progress bar on stderr (loss, step time, tokens/s) and the per-step update function. On a terminal
+    it redraws in place; otherwise rich prints its last state once, when it stops."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -232,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if rank == 0:
             progress, update = _progress(request.steps, 0)
+            # on a terminal, end the bar's line and show the cursor again; elsewhere print nothing more
+            exit_on_interrupt(progress.stop if progress.console.is_terminal else None)
             with progress:
                 train(plan, request, device=device, on_step=update)
         else:
@@ -241,7 +281,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from torch.distributed.elastic.multiprocessing.errors import record
+class AtomicErrorHandler(ErrorHandler):
+    """torch elastic's error handler, but the rank's report appears at ``$TORCHELASTIC_ERROR_FILE`` complete or
+    not at all.
 
-    sys.exit(record(main)())
+    Once a rank has failed, the agent sends SIGTERM to the others and then parses the error file of every rank
+    that has exited (``SubprocessContext._poll`` after ``close``; a parse error is raised out of the launch). A
+    peer stopped inside torch's ``open(file, "w")`` + ``json.dump`` left an empty or truncated file there, and the
+    launch failed with a JSONDecodeError instead of naming the failed rank. Same JSON as torch's handler
+    (https://pytorch.org/docs/stable/elastic/errors.html): ``message.message``, ``message.extraInfo``
+    (``py_callstack``, ``timestamp`` in whole seconds since the epoch).
+    """
+
+    def record_exception(self, e: BaseException) -> None:
+        """Write the report of ``e`` (the exception being handled) atomically; nothing without an error file."""
+        path = self._get_error_file_path()
+        if path:
+            write_atomic(path, json.dumps({"message": {
+                "message": f"{type(e).__name__}: {e}",
+                "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}))
+
+
+def run_rank(argv: list[str] | None = None) -> int | None:
+    """:func:`main` as one rank of a torch elastic run (``moeplan run`` locally, or ``torchrun``): an exception is
+    reported in the agent's error file (:class:`AtomicErrorHandler`) and re-raised; SIGINT exits quietly."""
+    exit_on_interrupt()
+    return record(main, error_handler=AtomicErrorHandler())(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(run_rank())

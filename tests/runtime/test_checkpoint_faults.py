@@ -1,8 +1,12 @@
 """Checkpoints and faults through ``moeplan run`` (issue 3, "Done when: Checkpoints and faults").
 
 An uninterrupted 6-step run checkpoints every 2 steps. A second run is SIGKILLed on rank 1 mid-run: every process
-exits within 60 s with a line naming rank 1, the newest complete checkpoint loads, and ``--resume`` continues to
-step 6 with exactly the uninterrupted run's losses.
+exits within 60 s with a line naming rank 1, the newest complete checkpoint loads, and ``--resume`` says which one
+and continues to step 6 with exactly the uninterrupted run's losses.
+
+The kill test used to fail now and then: the other rank, stopped by the agent while writing its error report, left
+a truncated file that the agent could not parse. Ranks now write the report atomically; a test stops a rank at the
+last moment before its report is complete.
 """
 from __future__ import annotations
 
@@ -113,6 +117,8 @@ def test_killed_rank_stops_every_rank_and_resume_reproduces_losses(setup, uninte
     assert not (ck / f".step-{ref.step:08d}.tmp").exists()
     resumed = moeplan(*args[3:], "--steps", str(STEPS), "--resume")
     assert resumed.returncode == 0, resumed.stderr
+    assert (f"moeplan run: resumed from checkpoint {ck / f'step-{ref.step:08d}'} (after step {ref.step}); "
+            f"running steps {ref.step + 1}..{STEPS}") in resumed.stderr.splitlines()
     got = losses(metrics)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert [got[s] for s in range(ref.step + 1, STEPS + 1)] == [uninterrupted[s] for s in range(ref.step + 1, STEPS + 1)]
@@ -149,3 +155,53 @@ def test_the_killed_rank_is_named_not_the_rank_whose_receive_broke(tmp_path):
     # the agent's SIGTERM to the other ranks, with no report, is not the cause either
     stopped = ProcessFailure(local_rank=0, pid=10, exitcode=-signal.SIGTERM, error_file=str(tmp_path / "none.json"))
     assert _failure_line(ChildFailedError("worker", {0: stopped, 1: killed})).startswith("rank 1 failed: killed")
+
+
+def test_a_rank_stopped_while_reporting_leaves_no_half_report(tmp_path, monkeypatch):
+    """Once rank 1 has died, the agent SIGTERMs rank 0 and then parses the error file of every rank that has exited
+    (torch SubprocessContext._poll). A rank stopped while writing its report must leave no file there, or the launch
+    fails with a JSONDecodeError instead of naming rank 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler, ProcessFailure
+
+    from moeplan.runtime.launch import _failure_line
+    from moeplan.runtime.worker import AtomicErrorHandler
+
+    report = tmp_path / "error.json"
+    # a rank SIGTERMed at the last moment before its report is complete: just before the rename
+    script = ("import os, signal\n"
+              "from moeplan.runtime.worker import AtomicErrorHandler\n"
+              "os.replace = lambda src, dst: os.kill(os.getpid(), signal.SIGTERM)\n"
+              "try:\n"
+              "    raise RuntimeError('Connection reset by peer')\n"
+              "except RuntimeError as e:\n"
+              "    AtomicErrorHandler().record_exception(e)\n")
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(report)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert not report.exists() and len(list(tmp_path.iterdir())) == 1  # the complete temp file only
+    stopped = ProcessFailure(local_rank=0, pid=10, exitcode=-signal.SIGTERM, error_file=str(report))
+    killed = ProcessFailure(local_rank=1, pid=11, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none.json"))
+    assert _failure_line(ChildFailedError("worker", {0: stopped, 1: killed})) == (
+        "rank 1 failed: killed by signal 9 (SIGKILL); the other ranks were stopped")
+    # not stopped, the same rank leaves the report torch elastic parses
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(report))
+    try:
+        raise RuntimeError("out of memory")
+    except RuntimeError as e:
+        AtomicErrorHandler().record_exception(e)
+    assert ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(report)).message["message"] == (
+        "RuntimeError: out of memory")
+    # torch's own handler, stopped inside its write, leaves a file the agent cannot parse (the flake)
+    report.unlink()
+    def stopped_inside_the_write(*args, **kwargs):
+        raise SystemExit("stopped")
+
+    monkeypatch.setattr(json, "dump", stopped_inside_the_write)
+    with pytest.raises(SystemExit):
+        try:
+            raise RuntimeError("Connection reset by peer")
+        except RuntimeError as e:
+            ErrorHandler().record_exception(e)
+    monkeypatch.undo()
+    with pytest.raises(json.JSONDecodeError):
+        ProcessFailure(local_rank=0, pid=10, exitcode=-signal.SIGTERM, error_file=str(report))

@@ -1,13 +1,18 @@
 """``moeplan run`` / ``compare`` / ``calibrate`` through the command line.
 
 Hand-edited invalid plans are refused with one line (exit 2) before any process starts; a cuda plan prints the
-torchrun command; a short run's metrics carry the numbers the runtime must produce; compare and calibrate work.
+torchrun command, and that command, printed for a cpu plan (``--print-command``), runs under torchrun; Ctrl-C prints
+one line and exits 130; a short run's metrics carry the numbers the runtime must produce; compare and calibrate work.
 """
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +21,7 @@ import yaml
 
 from moeplan.plan import SCHEMA_VERSION, PlanSchedule, encode_actions, load_plan, save_plan
 from moeplan.runtime.calibrate import LOADED_BYTES, LOADED_OPS, fit_alpha_launch
+from moeplan.runtime.checkpoint import newest_checkpoint
 from moeplan.runtime.data import stdlib_tokens
 from moeplan.targets import load_target
 
@@ -119,6 +125,83 @@ def test_cuda_plan_prints_the_torchrun_command(pp2, monkeypatch, capsys):
     want = torchrun_command(load_plan(path), RunRequest(plan=path, steps=7, seed=3))
     assert want.startswith("torchrun --nnodes 1 --nproc-per-node 2 ") and "-m moeplan.cli run" in want
     assert "--steps 7" in want and "--seed 3" in want and want in stdout.replace("\n", "")
+
+
+def test_run_request_is_spelled_as_moeplan_run_options():
+    import typer.main
+
+    from moeplan.cli import app
+    from moeplan.runtime.launch import RunRequest
+
+    request = RunRequest(plan="/p.yaml", steps=5, metrics="/m.jsonl", data="/d.npy", checkpoint_every=2,
+                         checkpoint_dir="/ck", resume=True, seed=3, lr=0.01, timeout_s=30.0, meter_every=4)
+    run = typer.main.get_command(app).commands["run"]
+    options = {o for p in run.params for o in p.opts}
+    argv = request.argv()
+    assert [a for a in argv if a.startswith("--")] == [
+        "--steps", "--metrics", "--data", "--checkpoint-every", "--checkpoint-dir", "--resume", "--seed", "--lr",
+        "--timeout", "--meter-every"]
+    assert {a for a in argv if a.startswith("--")} <= options
+    assert RunRequest.parse(argv) == request
+
+
+def test_torchrun_command_needs_whole_nodes(pp2):
+    from moeplan.errors import PlanError
+    from moeplan.runtime.launch import RunRequest, torchrun_command
+
+    plan = load_plan(pp2 / "plan.yaml")  # cpu target, 4 devices per node
+    six = plan.model_copy(update={"layout": plan.layout.model_copy(update={"num_devices": 6})})
+    with pytest.raises(PlanError, match="layout.num_devices=6: not a multiple of target.devices_per_node=4"):
+        torchrun_command(six, RunRequest(plan="p.yaml", steps=1))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_printed_torchrun_command_runs_to_completion(pp2):
+    """What a cuda user copies, printed for the cpu plan and run as printed: torchrun, 2 ranks on gloo, 2 steps."""
+    metrics = pp2 / "torchrun.jsonl"
+    printed = moeplan("run", str(pp2 / "plan.yaml"), "--steps", "2", "--metrics", str(metrics), "--data",
+                      str(pp2 / "tokens.npy"), "--print-command")
+    assert printed.returncode == 0, printed.stderr
+    lines = printed.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("# cpu, 2 devices: run on every node")
+    assert lines[1].startswith("torchrun --nnodes 1 --nproc-per-node 2 ")
+    env = {**os.environ, "MASTER_PORT": str(_free_port()),  # the default 29500 may be taken on a shared machine
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MASTER_ADDR", None)
+    proc = subprocess.run(printed.stdout, shell=True, env=env, cwd=pp2.parent, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(pp2):
+    """SIGINT to the process group, as a terminal sends it, once a step has been trained."""
+    metrics = pp2 / "interrupted.jsonl"
+    launcher = subprocess.Popen([sys.executable, "-m", "moeplan.cli", "run", str(pp2 / "plan.yaml"), "--steps", "10000",
+                                 "--metrics", str(metrics), "--data", str(pp2 / "tokens.npy"), "--checkpoint-every",
+                                 "1", "--checkpoint-dir", str(pp2 / "ck_interrupted")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # step 1's checkpoint is complete
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.01)
+        os.killpg(launcher.pid, signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    lines = stderr.splitlines()
+    assert launcher.returncode == 130 and len(lines) == 1, stderr
+    ref = newest_checkpoint(pp2 / "ck_interrupted")
+    assert ref is not None and ref.step >= 1
+    assert lines[0] == (f"moeplan run: interrupted by SIGINT; every rank was stopped; newest complete checkpoint: "
+                        f"step {ref.step} ({ref.path}), continue with --resume")
 
 
 @pytest.fixture(scope="module")
