@@ -42,6 +42,7 @@ from moeplan.cost_models.timeline import (OVERLAP, TIERS, Action, Event, Segment
 from moeplan.files import write_atomic
 from moeplan.ir import kind_of
 from moeplan.passes.plan_memory import MODES, recompute_working_set
+from moeplan.passes.schedule import action_kind
 from moeplan.passes.simulate import dp_collectives, dp_exposure, optimizer_s
 from moeplan.plan import Plan
 from moeplan.state import PlanState, Segment
@@ -304,11 +305,6 @@ def _unit(max_bytes: float) -> tuple[float, str]:
     return (2**30, "GiB") if max_bytes >= 2**30 else (2**20, "MiB")
 
 
-def _kind_of_action(text: str) -> str:
-    parts = compute_parts(text)
-    return parts[0].kind if len(parts) == 1 else OVERLAP
-
-
 def _bars(slices: Sequence[Slice]) -> list[tuple[float, float]]:
     """(start ms, width ms) of ``slices`` sorted by start, touching ones merged (fewer patches to draw)."""
     out: list[list[float]] = []
@@ -337,7 +333,7 @@ def figure_png(st: StepTimeline) -> bytes:
     groups: dict[tuple[int, str, str], list[Slice]] = defaultdict(list)
     for s in st.slices:
         if s.cat == "segment":
-            groups[(s.rank, COMPUTE, KIND_COLORS[_kind_of_action(s.args["action"])])].append(s)
+            groups[(s.rank, COMPUTE, KIND_COLORS[action_kind(s.args["action"])])].append(s)
         elif s.cat != "action":
             groups[(s.rank, s.track, CLASS_COLORS[s.args.get("comm_class", s.cat)])].append(s)
     kinds, classes = set(), set()

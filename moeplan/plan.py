@@ -544,11 +544,8 @@ def _check_actions(plan: Plan) -> None:
     v = plan.stages.placement == "v"
     for r, actions in enumerate(plan.schedule.actions):
         own = {r, 2 * lay.pp - 1 - r} if v else {c * lay.pp + r for c in range(lay.vpp)}
-        for a in actions:
-            try:
-                parsed = parse_action(a)
-            except PlanError:
-                raise PlanError(f"schedule.actions[{r}]: {a!r} is not an action (e.g. 0F1, 0B1, 0SEND_F1)") from None
+        for a in actions:  # well-formed: PlanSchedule decoded and parsed every action
+            parsed = parse_action(a)
             for part in compute_parts(a) or ((parsed,) if parsed.microbatch >= 0 else ()):
                 if part.stage not in own:
                     raise PlanError(f"schedule.actions[{r}]: {a!r} runs stage {part.stage}, which pp rank {r} does "

@@ -149,7 +149,7 @@ def pair_fb(compute: Sequence[str]) -> list[str]:
     i = 0
     while i < len(compute):
         a = compute[i]
-        if i + 1 < len(compute) and _kind(a) == "F" and _kind(compute[i + 1]) == "B":
+        if i + 1 < len(compute) and action_kind(a) == "F" and action_kind(compute[i + 1]) == "B":
             out.append(f"({a};{compute[i + 1]}){OVERLAP}")
             i += 2
         else:
@@ -166,7 +166,8 @@ def split_fb(compute: Sequence[str]) -> list[str]:
     return out
 
 
-def _kind(text: str) -> str:
+def action_kind(text: str) -> str:
+    """The kind of a compute action: F, B, I or W, or OVERLAP_F_B for a pair."""
     parts = compute_parts(text)
     return parts[0].kind if len(parts) == 1 else OVERLAP
 
