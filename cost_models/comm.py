@@ -70,6 +70,16 @@ def _volume_and_steps(kind: CollectiveKind, n: int) -> tuple[float, int]:
     raise ValueError(f"kind={kind!r}: must be one of all_reduce, all_gather, reduce_scatter, all_to_all, p2p")
 
 
+def wire_bytes(*, kind: CollectiveKind, bytes: float, group_size: int) -> float:
+    """Bytes one rank sends for one collective of ``kind`` (per-rank payload ``bytes``, module doc) over
+    ``group_size`` ranks by the ring / pairwise algorithms: the volume factor of the module doc's table times
+    ``bytes`` (the algorithm bandwidth to bus bandwidth factors of nccl-tests ``doc/PERFORMANCE.md``); 0 for one rank.
+    An all-to-all's factor assumes equal parts to every member (balanced routing). Raises ValueError as
+    :func:`collective_time_s`."""
+    _check_group(bytes=bytes, group_size=group_size)
+    return _volume_and_steps(kind, group_size)[0] * bytes if group_size > 1 else 0.0
+
+
 def collective_time_s(*, kind: CollectiveKind, bytes: float, group_size: int, tier: Tier, target: Target) -> float:
     """Seconds for one collective of ``kind`` over ``group_size`` ranks on link ``tier`` (formulas in the module doc).
 

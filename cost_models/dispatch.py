@@ -24,8 +24,11 @@ element of the payload.
   ``t = max(intra, inter)``.
 
 Routing metadata travel with the tokens in the dedup and hierarchical dispatchers: ``top_k`` expert ids (int64)
-and probabilities (fp32) per token, 12·top_k bytes. The count exchange that sizes a dropless dispatch (an
-all-to-all of one int64 per expert) is priced by the ``shard`` pass.
+and probabilities (fp32) per token, 12·top_k bytes (DeepEP ``topk_idx``/``topk_weights``; moeplan's fp32 runtime
+sends a gate, an expert id and a keep flag per copy, also 12·top_k bytes). They go with the dispatch and with its
+backward mirror (the gradient of the dispatched rows, routing columns included, returns the way they came), not
+with the combine, which returns ``h`` values a row, nor with the combine's backward mirror (``metadata=False``).
+The count exchange that sizes a dropless dispatch is priced by moeplan.cost_models.layer_program.count_exchange.
 """
 from __future__ import annotations
 
@@ -116,10 +119,12 @@ def _tier_time(nbytes: float, steps: int, tier: str, target: Target) -> float:
 
 
 def dispatch_cost(dispatcher: Dispatcher, *, tokens: float, hidden: int, payload_bytes: float, routing: Routing,
-                  group_size: int, stride: int, target: Target) -> DispatchCost:
+                  group_size: int, stride: int, target: Target, metadata: bool = True) -> DispatchCost:
     """Bytes per tier and time of one dispatch of ``tokens`` tokens by one rank (module docstring).
 
     ``payload_bytes``: bytes per element on the wire (2 for bf16; FP8 dispatch ≈ 1.03 with its scales);
+    ``metadata``: whether the routing metadata travel with the rows (the dispatch and its backward mirror; not
+    the combine and its mirror), for the hierarchical and dedup dispatchers;
     ``group_size``/``stride``: the expert group (``ep·tp/etp`` ranks at stride 1 with TP-extend-EP, else ``tp``).
     A group of one rank costs nothing. Raises ValueError for a dispatcher that does not fit the group (hierarchical
     within one node or with one rank per node) or an unknown name.
@@ -139,7 +144,7 @@ def dispatch_cost(dispatcher: Dispatcher, *, tokens: float, hidden: int, payload
             return DispatchCost(dispatcher, intra, 0.0, t, 0.0, t)
         return DispatchCost(dispatcher, intra, inter, _tier_time(intra, g_max - 1, "intra", target) + launch,
                             _tier_time(inter, n - g_min, "inter", target) + launch, t)
-    meta = k * METADATA_BYTES_PER_EXPERT
+    meta = k * METADATA_BYTES_PER_EXPERT if metadata else 0
     nodes = n // g_min
     if dispatcher == "dedup":
         remote_nodes = expected_bins_hit(routing, nodes) * (nodes - 1) / nodes

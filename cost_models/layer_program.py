@@ -33,7 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from moeplan.cost_models.comm import all_to_all_time_s, collective_time_s, group_tier
+from moeplan.cost_models.comm import (all_to_all_time_s, collective_time_s, group_tier, local_peer_range,
+                                      wire_bytes)
 from moeplan.cost_models.dispatch import Routing, dispatch_cost
 from moeplan.ir import LayerGraph, LayerKind, OpAnnotation, OpKind, ShardHint
 from moeplan.layout import Layout
@@ -79,11 +80,8 @@ def _single(comm_class: str, kind: str, phase: str, per_rank: float, group: int,
             target: Target) -> CommOp:
     """A collective on one tier, its wire bytes by the ring / pairwise algorithms of cost_models/comm.py."""
     t = collective_time_s(kind=kind, bytes=per_rank, group_size=group, tier=tier, target=target)
-    n = group
-    wire = {"all_gather": (n - 1) * per_rank, "reduce_scatter": (n - 1) / n * per_rank,
-            "all_reduce": 2 * (n - 1) / n * per_rank, "all_to_all": (n - 1) / n * per_rank, "p2p": per_rank}[kind]
-    wire = wire if n > 1 else 0.0
-    return CommOp(comm_class, kind, phase, int(per_rank), n, tier, t,  # type: ignore[arg-type]
+    wire = wire_bytes(kind=kind, bytes=per_rank, group_size=group)  # type: ignore[arg-type]
+    return CommOp(comm_class, kind, phase, int(per_rank), group, tier, t,  # type: ignore[arg-type]
                   wire_intra_bytes=wire if tier == "intra" else 0.0,
                   wire_inter_bytes=wire if tier == "inter" else 0.0)
 
@@ -157,18 +155,20 @@ def expert_group(layout: Layout) -> tuple[int, int]:
 
 
 def ep_transfer(spec: ModelSpec, layout: Layout, target: Target, dispatcher: Dispatcher, phase: str, *,
-                dispatch_direction: bool) -> CommOp | None:
+                dispatch_direction: bool, metadata: bool = True) -> CommOp | None:
     """One EP dispatch (``dispatch_direction``) or combine of the rank's routed tokens; None without EP.
 
     FP8 training sends the dispatch direction (forward dispatch, backward combine-gradient) in FP8 with 1×128
-    scales and the combine direction in bf16 (DeepSeek-V3 §3.3.3 "Low-Precision Communication")."""
+    scales and the combine direction in bf16 (DeepSeek-V3 §3.3.3 "Low-Precision Communication"). ``metadata``:
+    the routing metadata travel with the rows (the forward dispatch and its backward mirror only,
+    moeplan.cost_models.dispatch)."""
     n, stride = expert_group(layout)
     if n == 1:
         return None
     tokens = act_bytes(spec, layout, target) / (spec.hidden_size * target.dtype_bytes)
     payload = FP8_ROW_BYTES if dispatch_direction and target.training_dtype == "fp8" else target.dtype_bytes
     cost = dispatch_cost(dispatcher, tokens=tokens, hidden=spec.hidden_size, payload_bytes=payload,
-                         routing=routing_of(spec), group_size=n, stride=stride, target=target)
+                         routing=routing_of(spec), group_size=n, stride=stride, target=target, metadata=metadata)
     tier = "inter" if cost.wire_inter_bytes > 0 else "intra"
     routed = int(tokens * spec.top_k * spec.hidden_size * payload)
     return CommOp("ep", "all_to_all", phase, routed, n, tier, cost.time_s,  # type: ignore[arg-type]
@@ -176,18 +176,38 @@ def ep_transfer(spec: ModelSpec, layout: Layout, target: Target, dispatcher: Dis
                   busy_intra_s=cost.busy_intra_s, busy_inter_s=cost.busy_inter_s)
 
 
-def count_exchange(spec: ModelSpec, layout: Layout, target: Target) -> CommOp | None:
-    """The all-to-all of per-expert token counts that sizes a dropless dispatch (int64 per expert: Megatron-LM
-    ``MoEAlltoAllTokenDispatcher.preprocess``; moeplan's runtime ``exchange_counts``)."""
+def count_exchange(spec: ModelSpec, layout: Layout, target: Target, dispatcher: Dispatcher = "flat") -> CommOp | None:
+    """The all-to-all of token counts that sizes a dropless dispatch (int64s: Megatron-LM
+    ``MoEAlltoAllTokenDispatcher.preprocess``; moeplan's runtime ``exchange_counts``), as the runtime sends it:
+
+    - ``flat`` (and ``dedup`` within one node): ``E/n`` counts (one per expert of the receiving rank) to each of the
+      ``n − 1`` other ranks: ``(g − 1)/n · 8E`` bytes over the intra-node link and ``(n − g)/n · 8E`` inter-node;
+    - ``hierarchical``: the same over the node's ``g`` ranks only: ``(g − 1) · 8E/n`` intra-node;
+    - ``dedup``: one count per peer before each hop: ``8 · (nodes − 1)`` inter-node, ``8 · (g − 1)`` intra-node.
+
+    ``g``: the expert group's ranks on a node (:func:`moeplan.cost_models.comm.local_peer_range`); the two hops
+    of dedup run one after the other."""
     n, stride = expert_group(layout)
     if n == 1:
         return None
+    g_min, g_max = local_peer_range(stride=stride, group_size=n, devices_per_node=target.devices_per_node)
     counts = COUNT_BYTES * spec.num_experts
-    tier = group_tier(stride=stride, group_size=n, devices_per_node=target.devices_per_node)
-    return CommOp("ep", "all_to_all", "fwd", counts, n, tier,
-                  all_to_all_time_s(bytes=counts, group_size=n, stride=stride, target=target),
-                  wire_intra_bytes=counts * (n - 1) / n if tier == "intra" else 0.0,
-                  wire_inter_bytes=counts * (n - 1) / n if tier == "inter" else 0.0)
+    if dispatcher == "flat" or g_min == n:
+        intra, inter = counts * (g_max - 1) / n, counts * (n - g_min) / n
+        t = all_to_all_time_s(bytes=counts, group_size=n, stride=stride, target=target)
+    elif dispatcher == "hierarchical":
+        intra, inter = counts / n * (g_min - 1), 0.0
+        t = collective_time_s(kind="all_to_all", bytes=counts / n * g_min, group_size=g_min, tier="intra",
+                              target=target)
+    else:
+        nodes = n // g_min
+        intra, inter = COUNT_BYTES * (g_min - 1), COUNT_BYTES * (nodes - 1)
+        t = (collective_time_s(kind="all_to_all", bytes=COUNT_BYTES * nodes, group_size=nodes, tier="inter",
+                               target=target)
+             + collective_time_s(kind="all_to_all", bytes=COUNT_BYTES * g_min, group_size=g_min, tier="intra",
+                                 target=target))
+    return CommOp("ep", "all_to_all", "fwd", counts, n, "inter" if inter > 0 else "intra", t,
+                  wire_intra_bytes=intra, wire_inter_bytes=inter)
 
 
 def etp_pair(nbytes: float, layout: Layout, target: Target) -> tuple[CommOp, CommOp] | None:
@@ -266,7 +286,6 @@ class MoeComm:
     combine_grad: CommOp | None  # the backward mirror of the combine: a dispatch of gradients
     etp_rows: tuple[CommOp, CommOp] | None
     etp_rows_back: tuple[CommOp, CommOp] | None  # reduce-scatter in forward, all-gather in backward
-    etp_routing: tuple[CommOp, CommOp] | None
     dropless: bool
 
 
@@ -278,13 +297,12 @@ def moe_comm(spec: ModelSpec, layout: Layout, target: Target, dispatcher: Dispat
     shared = spec.num_shared_experts > 0
     return MoeComm(
         shared_pair=tp_pair(act, layout, target, regather=shared) if shared or not layout.tp_extend_ep else None,
-        counts=count_exchange(spec, layout, target),
+        counts=count_exchange(spec, layout, target, dispatcher),
         dispatch=ep_transfer(spec, layout, target, dispatcher, "fwd", dispatch_direction=True),
         dispatch_grad=ep_transfer(spec, layout, target, dispatcher, "bwd", dispatch_direction=False),
-        combine=ep_transfer(spec, layout, target, dispatcher, "fwd", dispatch_direction=False),
-        combine_grad=ep_transfer(spec, layout, target, dispatcher, "bwd", dispatch_direction=True),
+        combine=ep_transfer(spec, layout, target, dispatcher, "fwd", dispatch_direction=False, metadata=False),
+        combine_grad=ep_transfer(spec, layout, target, dispatcher, "bwd", dispatch_direction=True, metadata=False),
         etp_rows=rows, etp_rows_back=back,
-        etp_routing=etp_pair(act // spec.hidden_size * 2 * spec.top_k, layout, target),
         dropless=spec.capacity_factor is None)
 
 
@@ -308,8 +326,6 @@ def _moe_steps(ops: Sequence[OpAnnotation], prev: str, c: MoeComm, has_shared: b
             Step("route", ops=route, after=("moe_gather" if pair else prev,))]
     steps += _comm_step("ep_counts", c.counts if c.dropless else None, None, "route", host_sync=True)
     last = steps[-1].name
-    steps += _comm_step("etp_routing", c.etp_routing and c.etp_routing[0], c.etp_routing and c.etp_routing[1],
-                        last)
     steps += _comm_step("dispatch", c.dispatch, c.dispatch_grad, steps[-1].name, async_by=overlap)
     shared_in = "shared_gather" if has_shared and pair else prev
     if has_shared:

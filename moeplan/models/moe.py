@@ -228,7 +228,7 @@ class TokenUnpermute(nn.Module):
     def forward(self, y: torch.Tensor, row_of_slot: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         tokens, k = gates.shape
         y_ext = torch.cat((y, y.new_zeros(1, y.shape[1])))
-        slots = y_ext.index_select(0, row_of_slot).view(tokens, k, -1)
+        slots = y_ext.index_select(0, row_of_slot).view(tokens, k, y.shape[1])
         return (slots * gates.unsqueeze(-1)).sum(1)
 
 

@@ -30,9 +30,11 @@ from moeplan.errors import PlanError
 from moeplan.ir import LayerKind
 from moeplan.models import DecoderLayer, EmptyLayer, GroupedExperts, build_layer, parse_layer_name, shared_sources
 from moeplan.models.init import initial_value
+from moeplan.passes.schedule import stage_of
 from moeplan.plan import Plan
 from moeplan.runtime.expert_parallel import LocalExperts, ParallelMoE
-from moeplan.runtime.groups import ParallelGroups, RankCoords, check_layout_for_runtime, expert_shards
+from moeplan.runtime.groups import (ParallelGroups, RankCoords, check_layout_for_runtime, expert_shards,
+                                    make_node_groups, spans_nodes)
 from moeplan.runtime.parallel import CommLog, ParamShard, Sharded, TPReplicated
 from moeplan.runtime.tensor_parallel import (ParallelEmbedding, ParallelHead, ParallelSwiGLU, ReplicatedLinear,
                                              ShardEnv, parallel_attention, sp_norm)
@@ -42,14 +44,14 @@ from moeplan.spec import ModelSpec
 class ParallelDecoderLayer(DecoderLayer):
     """moeplan.models.DecoderLayer on the SP slice: ``forward(hidden [b, s/(cp·tp), h]) -> same``."""
 
-    def __init__(self, env: ShardEnv, *, moe: bool, aux_loss_coeff: float = 0.0) -> None:
+    def __init__(self, env: ShardEnv, *, moe: bool, aux_loss_coeff: float = 0.0, **dispatch) -> None:
         nn.Module.__init__(self)  # DecoderLayer.forward runs on these sharded parts
         spec = env.spec
         self.input_norm = sp_norm(env)
         self.attn = parallel_attention(env)
         self.post_attn_norm = sp_norm(env) if spec.sandwich_norm else None
         self.pre_mlp_norm = sp_norm(env)
-        self.mlp = (ParallelMoE(env, aux_loss_coeff=aux_loss_coeff) if moe
+        self.mlp = (ParallelMoE(env, aux_loss_coeff=aux_loss_coeff, **dispatch) if moe
                     else ParallelSwiGLU(spec.hidden_size, spec.dense_ffn_size, env))
         self.post_mlp_norm = sp_norm(env) if spec.sandwich_norm else None
 
@@ -60,7 +62,7 @@ class ParallelMTPBlock(nn.Module):
     The ``2h → h`` projection is replicated over TP and runs on the SP slice.
     """
 
-    def __init__(self, env: ShardEnv, *, depth: int, aux_loss_coeff: float = 0.0) -> None:
+    def __init__(self, env: ShardEnv, *, depth: int, aux_loss_coeff: float = 0.0, **dispatch) -> None:
         super().__init__()
         h = env.spec.hidden_size
         self.depth = depth
@@ -68,7 +70,7 @@ class ParallelMTPBlock(nn.Module):
         self.hidden_norm = sp_norm(env)
         self.embed_norm = sp_norm(env)
         self.proj = ReplicatedLinear(2 * h, h, bias=False)
-        self.layer = ParallelDecoderLayer(env, moe=True, aux_loss_coeff=aux_loss_coeff)
+        self.layer = ParallelDecoderLayer(env, moe=True, aux_loss_coeff=aux_loss_coeff, **dispatch)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         emb = self.embed_norm(self.embedding(tokens.roll(-self.depth, dims=1)))
@@ -120,18 +122,19 @@ def hidden_shape(plan: Plan) -> tuple[int, int, int]:
 
 
 def stage_ids(plan: Plan, pp_rank: int) -> list[int]:
-    """Pipeline stage ids held by ``pp_rank``: chunk c is stage ``c·pp + pp_rank``."""
-    return [c * plan.layout.pp + pp_rank for c in range(plan.layout.vpp)]
+    """Pipeline stage ids held by ``pp_rank``, by chunk: chunk c is stage ``c·pp + pp_rank`` (``loop`` placement),
+    or ``pp_rank`` and ``2·pp − 1 − pp_rank`` (``v`` placement of ZB-V and DualPipeV)."""
+    return [stage_of(pp_rank, c, pp=plan.layout.pp, placement=plan.stages.placement) for c in range(plan.layout.vpp)]
 
 
-def _parallel_layer(env: ShardEnv, name: str, aux_loss_coeff: float) -> nn.Module:
+def _parallel_layer(env: ShardEnv, name: str, aux_loss_coeff: float, dispatch: dict) -> nn.Module:
     kind, index = parse_layer_name(env.spec, name)
     if kind == LayerKind.EMBEDDING:
         return ParallelEmbedding(env)
     if kind in (LayerKind.DENSE, LayerKind.MOE):
-        return ParallelDecoderLayer(env, moe=kind == LayerKind.MOE, aux_loss_coeff=aux_loss_coeff)
+        return ParallelDecoderLayer(env, moe=kind == LayerKind.MOE, aux_loss_coeff=aux_loss_coeff, **dispatch)
     if kind == LayerKind.MTP:
-        return ParallelMTPBlock(env, depth=index + 1, aux_loss_coeff=aux_loss_coeff)
+        return ParallelMTPBlock(env, depth=index + 1, aux_loss_coeff=aux_loss_coeff, **dispatch)
     if kind in (LayerKind.MTP_HEAD, LayerKind.HEAD):
         return ParallelHead(env, depth=index + 1 if kind == LayerKind.MTP_HEAD else 0)
     return EmptyLayer()
@@ -190,15 +193,22 @@ def build_rank_modules(plan: Plan, coords: RankCoords, groups: ParallelGroups, *
     Modules are built on meta, moved to ``device`` in ``dtype`` and initialised from ``seed``; copies whose owner
     is on this rank are tied to it. ``aux_loss_coeff`` is the MoE load-balance loss weight (moeplan.models.Router);
     ``comm_log`` tallies the payload bytes of every TP/EP/CP collective the modules run (by comm class).
-    Raises PlanError for a plan the runtime cannot execute.
+    The hierarchical and dedup dispatchers' node groups (moeplan.runtime.groups.make_node_groups) are created here, so this
+    is collective over the default group for such a plan. Raises PlanError for a plan the runtime cannot execute.
     """
+    dispatcher, per_node = plan.comm.dispatcher, plan.target.devices_per_node
+    if dispatcher == "dedup" and not spans_nodes(plan.layout, per_node):
+        dispatcher = "flat"  # within one node dedup is the flat all-to-all, as the planner prices it
+    dispatch = dict(dispatcher=dispatcher, devices_per_node=per_node)
+    if plan.model.spec.is_moe and dispatcher in ("hierarchical", "dedup"):
+        groups = make_node_groups(plan.layout, per_node, groups, min_per_node=1 if dispatcher == "dedup" else 2)
     env, spec = _env(plan, coords, groups, comm_log), plan.model.spec
     out: dict[int, LayerDict] = {}
     for stage, names in zip(stage_ids(plan, coords.pp_rank), plan.stages.chunks[coords.pp_rank]):
         layers = LayerDict()
         for name in names:
             with torch.device("meta"):
-                module = _parallel_layer(env, name, aux_loss_coeff).to(dtype)
+                module = _parallel_layer(env, name, aux_loss_coeff, dispatch).to(dtype)
             module = module.to_empty(device=device)
             materialize_(module, spec, name, seed=seed)
             layers[name] = module

@@ -10,7 +10,10 @@ Actions (torch.distributed.pipelining notation, parsed by ``cost_models.timeline
 - ``{s}I{m}`` / ``{s}W{m}``: backward split into the input-gradient part (``torch.autograd.grad`` w.r.t. the stage
   inputs, graph retained) and the weight-gradient part (``torch.autograd.backward`` w.r.t. the parameters). Eager
   PyTorch recomputes the shared part of the backward graph in W, so I+W costs more than B (the zero-bubble
-  schedules of torch.distributed.pipelining split the graph instead).
+  schedules of torch.distributed.pipelining split the graph instead). Autograd may traverse a selective or
+  per-tensor recompute region only once (torch's selective checkpoint refuses a second backward), so on a PP rank
+  with such a mode I runs the whole backward (dX and dW) and W does nothing: same gradients, no deferred dW.
+- ``({s}F{m};{s'}B{m'})OVERLAP_F_B``: DualPipeV's overlapped pair, run as its F, then its B (no overlap yet).
 - ``{s}SEND_F{m}`` / ``{s}SEND_B{m}``: ``isend`` of the stage's outputs to stage s+1 / of its input gradients to
   stage s−1 (contiguous tensors); completed at the end of the step.
 - ``{s}RECV_F{m}`` / ``{s}RECV_B{m}``: ``irecv`` of the inputs of stage s / of the gradients of its outputs, waited
@@ -18,7 +21,9 @@ Actions (torch.distributed.pipelining notation, parsed by ``cost_models.timeline
 
 What crosses a stage boundary (:class:`CarryFields`) follows from the layers before it: the main hidden state until
 ``head``; the MTP hidden state from ``mtp.0`` until the last ``mtp_head``; the running MTP loss after the first
-``mtp_head``. Shapes come from the plan: hidden states ``[micro_batch, seq_len/(cp·tp_sp), hidden]`` (tp_sp = tp
+``mtp_head``. Stage ``s`` runs on PP rank :func:`rank_of` (``plan.stages.placement``: ``loop``, or the V of ZB-V
+and DualPipeV, where rank r holds stages r and 2·pp − 1 − r, so the first and last stage share rank 0). Shapes
+come from the plan: hidden states ``[micro_batch, seq_len/(cp·tp_sp), hidden]`` (tp_sp = tp
 with sequence parallelism, else 1), the loss ``[1]``. Neighbour stages on the same rank hand over in memory.
 
 Recompute (``plan.memory.ranks[pp_rank].recompute``) through ``torch.utils.checkpoint`` (non-reentrant), per layer
@@ -51,6 +56,7 @@ from moeplan.cost_models.timeline import parse_action
 from moeplan.errors import PlanError
 from moeplan.ir import LayerKind, kind_of
 from moeplan.models import DEFAULT_MTP_WEIGHT
+from moeplan.passes.schedule import stage_rank
 from moeplan.plan import Plan
 from moeplan.runtime.activations import PerTensorCalls
 from moeplan.runtime.data import MicroBatch
@@ -95,10 +101,16 @@ def fields_after(plan: Plan, names: Sequence[str]) -> CarryFields:
                        loss=heads_done > 0 or LayerKind.HEAD in kinds)
 
 
+def rank_of(plan: Plan, stage: int) -> int:
+    """PP rank that holds pipeline stage ``stage``: ``stage % pp`` (``loop`` placement) or, for the ``v``
+    placement of ZB-V and DualPipeV, ``stage`` for ``stage < pp`` and ``2·pp − 1 − stage`` after."""
+    return stage_rank(stage, pp=plan.layout.pp, placement=plan.stages.placement)
+
+
 def stage_layers(plan: Plan, stage: int) -> list[str]:
-    """Layer names of pipeline stage ``stage`` (chunk ``stage // pp`` of PP rank ``stage % pp``)."""
-    pp = plan.layout.pp
-    return list(plan.stages.chunks[stage % pp][stage // pp])
+    """Layer names of pipeline stage ``stage``: chunk ``stage // pp`` (under both placements) of PP rank
+    :func:`rank_of`."""
+    return list(plan.stages.chunks[rank_of(plan, stage)][stage // plan.layout.pp])
 
 
 def boundary_shapes(plan: Plan, stage: int) -> list[tuple[int, ...]]:
@@ -253,7 +265,7 @@ class PipelineExecutor:
         self.actions = [parse_action(a) for a in plan.schedule.actions[pp_rank]]
         self.num_stages = plan.layout.pp * plan.layout.vpp
         self.layers = {s: [(n, kind_of(plan.model.spec, n)) for n in stage_layers(plan, s)]
-                       for s in range(self.num_stages) if s % plan.layout.pp == pp_rank}
+                       for s in range(self.num_stages) if rank_of(plan, s) == pp_rank}
         missing = set(self.layers) - set(modules)
         if missing:
             raise PlanError(f"stages: pp rank {pp_rank} holds stages {sorted(self.layers)}, modules built for "
@@ -261,6 +273,8 @@ class PipelineExecutor:
         self.shapes = {s: boundary_shapes(plan, s) for s in range(self.num_stages - 1)}
         self.in_fields = {s: fields_after(plan, [n for p in range(s) for n in stage_layers(plan, p)])
                           for s in self.layers}
+        # autograd traverses a selective or per-tensor recompute region once only: I then runs the whole backward
+        self.one_pass_iw = plan.memory.ranks[pp_rank].recompute not in ("none", "full")
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def run_step(self, microbatches: Sequence[MicroBatch], comm: CommTotals, *,
@@ -275,12 +289,14 @@ class PipelineExecutor:
         self._grad_out: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._grad_in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._dw_done: set[tuple[int, int]] = set()  # (stage, mb) whose one-pass I computed dW already
         self._loss_sum, times = 0.0, Counter()
         self._comm = comm
         for a in self.actions:
-            t0 = time.perf_counter()
-            self._dispatch(a.kind, a.stage, a.microbatch)
-            times[a.kind] += time.perf_counter() - t0
+            for part in a.parts or (a,):  # an OVERLAP_F_B pair runs its F, then its B
+                t0 = time.perf_counter()
+                self._dispatch(part.kind, part.stage, part.microbatch)
+                times[part.kind] += time.perf_counter() - t0
         t0 = time.perf_counter()
         for work, _ in self._sends:
             work.wait()
@@ -338,12 +354,19 @@ class PipelineExecutor:
         else:
             outputs = tuple(t.reshape(1) if t.dim() == 0 else t for t in carry.tensors())
         self._fwd[(stage, mb)] = _Forward(inputs=inputs, outputs=outputs)
-        if stage + 1 < self.num_stages and (stage + 1) % self.plan.layout.pp == self.pp_rank:
+        if stage + 1 < self.num_stages and rank_of(self.plan, stage + 1) == self.pp_rank:
             self._in[(stage + 1, mb)] = outputs  # same-rank neighbour: hand over in memory
 
     def _backward(self, stage: int, mb: int, kind: str) -> None:
-        """B: full backward; I: input gradients only, graph kept for W; W: parameter gradients, graph freed."""
+        """B: full backward; I: input gradients only, graph kept for W; W: parameter gradients, graph freed. Under
+        a selective or per-tensor recompute mode (``one_pass_iw``) I runs as B and its W does nothing."""
         key, last = (stage, mb), stage == self.num_stages - 1
+        if kind == "W" and key in self._dw_done:
+            self._dw_done.remove(key)
+            return
+        if kind == "I" and self.one_pass_iw:
+            self._dw_done.add(key)
+            kind = "B"
         fwd = self._fwd[key] if kind == "I" else self._fwd.pop(key)
         grads = (None,) if last else self._grad_out[key] if kind == "I" else self._grad_out.pop(key)
         need = [t for t in fwd.inputs if t.requires_grad]
@@ -364,7 +387,7 @@ class PipelineExecutor:
         if stage == 0:
             return
         out = tuple(grads.get(id(t)) if grads.get(id(t)) is not None else torch.zeros_like(t) for t in inputs)
-        if (stage - 1) % self.plan.layout.pp == self.pp_rank:
+        if rank_of(self.plan, stage - 1) == self.pp_rank:
             self._grad_out[(stage - 1, mb)] = out
         else:
             self._grad_in[(stage, mb)] = out
@@ -374,7 +397,7 @@ class PipelineExecutor:
         return ((mb * self.num_stages + stage) * 2 + direction) * 4 + index
 
     def _peer(self, stage: int) -> int:
-        return self.pp_ranks[stage % self.plan.layout.pp]
+        return self.pp_ranks[rank_of(self.plan, stage)]
 
     def _send(self, tensors: Sequence[torch.Tensor], to_stage: int, stage: int, mb: int, direction: int) -> None:
         # tag by the sending stage for F (receiver's stage − 1) and by the receiving stage for B (its stage)

@@ -18,7 +18,7 @@ is the order of the coordinate each group runs over.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import ClassVar
 
@@ -71,7 +71,8 @@ class ParallelGroups:
     micro-batch (tp × cp of one dp/pp rank; used for capacity-factor routing and loss statistics). ``expert``: the
     dispatch/combine all-to-all group (``expert_shards`` ranks). ``etp``: expert tensor-parallel group.
     ``expert_dp``: ranks holding the same expert shard (expert-gradient group). ``pp``: this rank's pipeline, whose
-    global ranks by pp_rank are ``pp_ranks``.
+    global ranks by pp_rank are ``pp_ranks``. ``expert_inter`` / ``expert_intra``: the expert group split by node
+    (:func:`make_node_groups`, only for the hierarchical and dedup dispatchers).
     """
 
     tp: dist.ProcessGroup | None
@@ -84,6 +85,8 @@ class ParallelGroups:
     expert_dp: dist.ProcessGroup | None
     pp: dist.ProcessGroup | None
     pp_ranks: tuple[int, ...]
+    expert_inter: dist.ProcessGroup | None = None
+    expert_intra: dist.ProcessGroup | None = None
 
 
 def check_layout_for_runtime(layout: PlanLayout) -> None:
@@ -170,3 +173,46 @@ def make_groups(layout: PlanLayout, rank: int, *,
                     mine[kind] = group
     pp_ranks = next(m for m in ranks.pp if rank in m)
     return coords, ParallelGroups(**mine, pp_ranks=pp_ranks)
+
+
+def expert_node_ranks(layout: PlanLayout, devices_per_node: int, *, min_per_node: int = 2) -> tuple[Ranks, Ranks]:
+    """(inter, intra) groups of the expert groups, nodes being runs of ``devices_per_node`` global ranks: ``intra``
+    holds the expert group's ranks on one node, ``inter`` its ranks at the same position on every node (MindSpeed
+    ``--moe-hierarchical-alltoallv``). Raises PlanError unless every node holds the same number ``g`` of the group's
+    ranks, ``g ≥ min_per_node`` (2 for the hierarchical dispatcher, moeplan.cost_models.dispatch.hierarchical_valid;
+    1 for dedup), on at least two nodes."""
+    inter: list[tuple[int, ...]] = []
+    intra: list[tuple[int, ...]] = []
+    for members in group_ranks(layout).expert:
+        nodes = _groups(len(members), lambda i: members[i] // devices_per_node)
+        if len(nodes) < 2 or len({len(n) for n in nodes}) > 1 or len(nodes[0]) < min_per_node:
+            raise PlanError(f"comm.dispatcher: the hierarchical and dedup dispatchers need the expert group "
+                            f"{members} to have the same number (≥{min_per_node}) of ranks on each of several "
+                            f"nodes of {devices_per_node} devices")
+        intra += [tuple(members[i] for i in n) for n in nodes]
+        inter += [tuple(members[n[j]] for n in nodes) for j in range(len(nodes[0]))]
+    return tuple(inter), tuple(intra)
+
+
+def spans_nodes(layout: PlanLayout, devices_per_node: int) -> bool:
+    """Whether the expert groups reach over more than one node of ``devices_per_node`` ranks."""
+    return any(len({r // devices_per_node for r in m}) > 1 for m in group_ranks(layout).expert)
+
+
+def make_node_groups(layout: PlanLayout, devices_per_node: int, groups: ParallelGroups, *, min_per_node: int = 2,
+                     timeout: timedelta = DEFAULT_GROUP_TIMEOUT) -> ParallelGroups:
+    """``groups`` with this rank's ``expert_inter`` and ``expert_intra`` groups (:func:`expert_node_ranks`; None for
+    a group of one rank).
+
+    Collective over the default process group, like :func:`make_groups`. Raises PlanError as expert_node_ranks."""
+    rank = dist.get_rank()
+    mine: dict[str, dist.ProcessGroup | None] = {}
+    node_ranks = expert_node_ranks(layout, devices_per_node, min_per_node=min_per_node)
+    for kind, ranks in zip(("expert_inter", "expert_intra"), node_ranks):
+        mine[kind] = None
+        for members in ranks:
+            if len(members) > 1:
+                group = dist.new_group(list(members), timeout=timeout)
+                if rank in members:
+                    mine[kind] = group
+    return replace(groups, **mine)

@@ -2,8 +2,10 @@
 ``torchrun`` command for a cluster.
 
 - :func:`check_runnable` refuses, with one line (PlanError), a plan the runtime cannot execute: a schedule,
-  dispatcher, overlap mechanism or FP8 training it does not run yet (:func:`check_strategy`: it runs loop-placed
-  1F1B / interleaved / zero-bubble orders, the flat all-to-all, every collective synchronously, in fp32 or bf16),
+  dispatcher, overlap mechanism or FP8 training it does not run yet (:func:`check_strategy`: it runs the 1F1B,
+  interleaved, zero-bubble, ZB-V and DualPipeV orders, the V-placed ones included; an ``OVERLAP_F_B`` pair would run
+  as its F then its B, but the ``fb`` mechanism that keeps the pairs is refused with the other overlap mechanisms;
+  the flat, hierarchical and dedup dispatchers, every collective synchronously, in fp32 or bf16),
   a layout the process groups cannot realise, an action list that is not a complete, matched pipeline schedule, an
   expert placement that does not cover the experts, a device count other than the launched world, a target backend this
   machine lacks. ``load_plan`` has already checked the schema version and the plan's consistency.
@@ -33,6 +35,7 @@ from typing import Literal
 
 from moeplan.cost_models.timeline import parse_action
 from moeplan.errors import MoeplanError, PlanError
+from moeplan.passes.schedule import stage_rank
 from moeplan.plan import Plan
 from moeplan.runtime.groups import check_layout_for_runtime
 
@@ -113,28 +116,33 @@ def under_torchrun() -> bool:
 
 
 def check_schedule(plan: Plan) -> None:
-    """Raise PlanError unless every PP rank runs F and B (or I then W) once per own stage and micro-batch, and
-    every SEND has the matching RECV on the neighbour stage's rank (and vice versa)."""
+    """Raise PlanError unless every PP rank runs F and B (or I then W) once per own stage and micro-batch (an
+    ``OVERLAP_F_B`` pair counts as its F and its B), and every SEND has the matching RECV on the neighbour stage's
+    rank (and vice versa)."""
     lay = plan.layout
     num_stages = lay.pp * lay.vpp
+
+    def rank_of(stage: int) -> int:
+        return stage_rank(stage, pp=lay.pp, placement=plan.stages.placement)
+
     counts: Counter = Counter()
     for r, actions in enumerate(plan.schedule.actions):
         for text in actions:
             a = parse_action(text)
-            if a.kind not in ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"):
+            if a.kind not in ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "OVERLAP_F_B"):
                 raise PlanError(f"schedule.actions[{r}]: {text!r} is not executable by the runtime")
-            counts[(a.kind, a.stage, a.microbatch)] += 1
+            for part in a.parts or (a,):
+                counts[(part.kind, part.stage, part.microbatch)] += 1
     for s in range(num_stages):
         for m in range(lay.num_microbatches):
             f, b, i, w = (counts[(k, s, m)] for k in ("F", "B", "I", "W"))
             if f != 1 or not ((b == 1 and i == w == 0) or (b == 0 and i == w == 1)):
-                raise PlanError(f"schedule.actions[{s % lay.pp}]: stage {s} micro-batch {m} has {f} F, {b} B, "
+                raise PlanError(f"schedule.actions[{rank_of(s)}]: stage {s} micro-batch {m} has {f} F, {b} B, "
                                 f"{i} I, {w} W; the runtime needs one F and one B (or one I and one W)")
-            remote = lay.pp > 1
             for send, recv, peer in (("SEND_F", "RECV_F", s + 1), ("SEND_B", "RECV_B", s - 1)):
                 if not 0 <= peer < num_stages:
                     continue
-                want = int(remote)
+                want = int(rank_of(peer) != rank_of(s))  # same-rank neighbours hand over in memory
                 if counts[(send, s, m)] != want or counts[(recv, peer, m)] != want:
                     raise PlanError(f"schedule.actions: {s}{send}{m} and {peer}{recv}{m} must each appear "
                                     f"{want} time(s) (found {counts[(send, s, m)]} and {counts[(recv, peer, m)]})")
@@ -170,12 +178,9 @@ def check_runnable(plan: Plan, *, world_size: int | None = None, need_backend: b
 def check_strategy(plan: Plan) -> None:
     """Raise PlanError for what moeplan's runtime does not execute yet (module docstring), naming the compile flag
     that plans without it."""
-    if plan.stages.placement != "loop":
-        raise PlanError(f"schedule.kind={plan.schedule.kind!r}: the runtime runs loop-placed schedules (1f1b, "
-                        f"interleaved, zero-bubble); compile with --schedule")
-    if plan.comm.dispatcher != "flat":
-        raise PlanError(f"comm.dispatcher={plan.comm.dispatcher!r}: the runtime has the flat all-to-all only; "
-                        f"compile with --dispatcher flat")
+    if plan.comm.dispatcher not in ("flat", "hierarchical", "dedup"):
+        raise PlanError(f"comm.dispatcher={plan.comm.dispatcher!r}: the runtime has the flat, hierarchical and dedup "
+                        f"dispatchers; compile with --dispatcher flat")
     if plan.comm.overlap:
         raise PlanError(f"comm.overlap={plan.comm.overlap!r}: the runtime issues every collective synchronously; "
                         f"compile with --overlap none")

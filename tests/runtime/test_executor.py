@@ -32,7 +32,7 @@ TOKENS = 60_000
 LAYOUTS_2 = {
     "pp2": (dict(pp=2, vpp=1, tp=1, cp=1, micro_batch=4), None),
     "pp2_split_backward": (dict(pp=2, vpp=1, tp=1, cp=1, micro_batch=4), "IW"),
-    "pp2_vpp2": (dict(pp=2, vpp=2, tp=1, cp=1, micro_batch=4), ("full", "selective")),
+    "pp2_vpp2": (dict(pp=2, vpp=2, tp=1, cp=1, micro_batch=4, schedule="interleaved"), ("full", "selective")),
     "dp2_zero1": (dict(pp=1, tp=1, cp=1, ep=1, micro_batch=4), None),
     "tp2_sp_tp_extend_ep": (dict(pp=1, tp=2, cp=1, ep=1, etp=1, micro_batch=4), None),
     "cp2": (dict(pp=1, tp=1, cp=2, ep=1, micro_batch=4), ("selective",)),
