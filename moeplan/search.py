@@ -182,8 +182,9 @@ def _applies(mechanism: str, kind: str, layout: Layout, graph: ModelGraph, ep: b
     group spans more than one device)."""
     if mechanism == "shared-expert":
         return ep and graph.spec.num_shared_experts > 0
-    if mechanism == "fb":
-        return kind in FB_PAIRED and layout.num_microbatches > layout.pp
+    if mechanism == "fb":  # a pair hides in-layer collectives only: without EP, TP or CP it has nothing to hide
+        return (kind in FB_PAIRED and layout.num_microbatches > layout.pp
+                and (ep or layout.tp > 1 or layout.cp > 1))
     if mechanism == "pp":
         return layout.pp > 1
     return layout.dp * layout.cp > 1
