@@ -1,8 +1,11 @@
 """Predicted vs measured on the CPU emulator: tiny-pangu at world size <= 2 (issue 3, "Prediction").
 
 For each layout: ``moeplan compile tiny-pangu --target TARGET ...``, ``moeplan run PLAN --steps N --meter-every 5``,
-``moeplan compare PLAN run.jsonl --json``; prints one JSON line per layout (predicted and measured step seconds,
-their ratio, and per PP rank the predicted and measured peak saved-activation bytes) and a summary line.
+``moeplan compare PLAN run.jsonl --json``; prints one JSON line per layout (the plan's layout, schedule and overlap,
+predicted and measured step seconds, their ratio, and per PP rank the predicted and measured peak saved-activation
+bytes) and a summary line: the layouts within 15% (step) and 10% (activations), the range of step ratios, and the
+measured step of ``picked`` (the layout ``moeplan compile`` picks on 2 devices) over the fastest measured 2-device
+layout.
 
 Usage::
 
@@ -32,6 +35,7 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "tp2": ("--devices", "2", "--tp", "2", "--pp", "1", "--ep", "1", "--micro-batch", "1"),
     "tp2-etp2": ("--devices", "2", "--tp", "2", "--etp", "2", "--pp", "1", "--ep", "1", "--micro-batch", "1"),
     "cp2": ("--devices", "2", "--tp", "1", "--cp", "2", "--pp", "1", "--ep", "1", "--micro-batch", "1"),
+    "picked": ("--devices", "2"),  # whatever `moeplan compile` picks on 2 devices
 }
 
 
@@ -50,10 +54,16 @@ def measure(name: str, *, target: str, steps: int, workdir: Path) -> dict:
          "-o", str(plan))
     _cli("run", str(plan), "--steps", str(steps), "--meter-every", "5", "--metrics", str(metrics))
     rows = {r["quantity"]: r for r in json.loads(_cli("compare", str(plan), str(metrics), "--json"))}
+    from moeplan.plan import load_plan
+
+    p = load_plan(plan)
+    lay = p.layout
+    layout = (f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} ep{lay.ep} etp{lay.etp} cp{lay.cp} dp{lay.dp} mb{lay.micro_batch} "
+              f"{p.schedule.kind} {p.comm.dispatcher} overlap={','.join(p.comm.overlap) or 'none'}")
     step = rows["step time"]
     peaks = {q.split()[0]: (r["predicted"], r["measured"], r["ratio"]) for q, r in rows.items()
              if q.endswith("peak saved activations")}
-    return {"layout": name, "step_predicted_ms": round(step["predicted"] * 1e3, 2),
+    return {"layout": name, "schedule": layout, "step_predicted_ms": round(step["predicted"] * 1e3, 2),
             "step_measured_ms": round(step["measured"] * 1e3, 2), "step_ratio": round(step["ratio"], 3),
             "peak_saved_bytes": {r: {"predicted": int(p), "measured": int(m), "ratio": round(x, 3)}
                                  for r, (p, m, x) in peaks.items()}}
@@ -75,7 +85,15 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
     within = [r["layout"] for r in results if abs(r["step_ratio"] - 1) <= 0.15
               and all(abs(p["ratio"] - 1) <= 0.10 for p in r["peak_saved_bytes"].values())]
-    print(json.dumps({"layouts": len(results), "within_15pct_step_and_10pct_activations": within}))
+    summary = {"layouts": len(results), "within_15pct_step_and_10pct_activations": within,
+               "step_ratio_range": [min(r["step_ratio"] for r in results), max(r["step_ratio"] for r in results)]}
+    two = [r for r in results if not r["layout"].startswith("1dev")]
+    picked = next((r for r in results if r["layout"] == "picked"), None)
+    if picked is not None and two:
+        fastest = min(two, key=lambda r: r["step_measured_ms"])
+        summary.update(picked=picked["schedule"], fastest_measured=fastest["layout"],
+                       picked_over_fastest=round(picked["step_measured_ms"] / fastest["step_measured_ms"], 3))
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
