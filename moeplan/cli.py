@@ -287,6 +287,9 @@ def run_cmd(
                                                              "every K steps (their hooks slow those steps)"),
     print_command: bool = typer.Option(False, "--print-command", help="print the torchrun command to run on every "
                                                                       "node instead of launching (cpu plans too)"),
+    force_balanced_routing: bool = typer.Option(False, "--force-balanced-routing",
+                                                help="benchmarking: route every token to random experts (balanced "
+                                                     "routing, as the plan assumes); changes training"),
 ) -> None:
     """Train with PLAN: local processes for a cpu target, the torchrun command for cuda/npu (or run under it).
 
@@ -316,7 +319,8 @@ def run_cmd(
 
     request = RunRequest(plan=absolute(plan_path), steps=steps, metrics=absolute(metrics), data=absolute(data),
                          checkpoint_every=checkpoint_every, checkpoint_dir=absolute(checkpoint_dir), resume=resume,
-                         seed=seed, lr=lr, timeout_s=timeout, meter_every=meter_every)
+                         seed=seed, lr=lr, timeout_s=timeout, meter_every=meter_every,
+                         force_balanced_routing=force_balanced_routing)
     if resume:  # refused here in one line, not by a traceback per rank (under torchrun too)
         from moeplan.runtime.checkpoint import check_layout, newest_checkpoint
 
@@ -358,20 +362,24 @@ def compare_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="the p
                                                    help="the JSONL file of `moeplan run --metrics`"),
                 first_step: int = typer.Option(5, "--first-step", help="median over steps from this one on"),
                 as_json: bool = typer.Option(False, "--json", help="print the rows as JSON")) -> None:
-    """Predicted (PLAN) vs measured (METRICS from `moeplan run`): step time, actions, comm, activations; a warning
-    on stderr when the machine was busy with other work during the measured steps."""
+    """Predicted (PLAN) vs measured (METRICS from `moeplan run`): step time, actions, comm, activations, then per
+    comm class the bytes per link tier, exposed seconds and overlap rate; a warning on stderr when the machine was
+    busy with other work during the measured steps."""
     from moeplan.plan import load_plan
-    from moeplan.runtime.compare import busy_warning, compare, read_records, render_rows, rows_json
+    from moeplan.runtime.compare import (busy_warning, comm_class_rows, compare, read_records, render_comm_classes,
+                                         render_rows, rows_json)
 
     _positive("first_step", first_step)
     plan = load_plan(plan_path)
     records = read_records(metrics_path)
     rows = compare(plan, records, first_step=first_step)
+    comm = comm_class_rows(plan, records, first_step=first_step)
     if as_json:
-        out.print_json(json.dumps(rows_json(rows)))
+        out.print_json(json.dumps(rows_json(rows + comm)))
     else:
         render_rows(out, rows, title=f"{plan.model.name} · {plan.target.name} · predicted vs measured "
                                      f"(median of steps >= {first_step})")
+        render_comm_classes(out, comm, title="per comm class, per device and step")
     warning = busy_warning(records, first_step=first_step)
     if warning:  # after the table, where it is read
         err.print(f"warning: {warning}", markup=False)

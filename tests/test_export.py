@@ -46,7 +46,7 @@ def plans():
     a free split (num-layer-list), whole-layer selective and the two per-tensor recompute modes, and DualPipeV with
     fb / dedup / tp-extend-ep on a cuda target."""
     return {
-        "pp2vpp2": _tiny(pp=2, vpp=2),
+        "pp2vpp2": _tiny(pp=2, vpp=2, schedule="interleaved"),
         "free-pp4": _tiny(pp=4, vpp=1, pipeline=with_option(DEFAULT_PIPELINE, "partition-stages", "layer_layout",
                                                                "free")),
         "ilp": _tiny(pp=2, vpp=1, recompute="ilp",
@@ -350,7 +350,7 @@ def test_torch_runtime_on_the_csv_matches_moeplans_runtime(tmp_path):
 
     import torch.multiprocessing as mp
 
-    plan = _tiny(devices=2, pp=2, vpp=2)
+    plan = _tiny(devices=2, pp=2, vpp=2, schedule="interleaved")
     plan_path, csv_path = tmp_path / "plan.yaml", tmp_path / "schedule.csv"
     save_plan(plan, plan_path)
     csv_path.write_text(export_plan(plan, "torch-pipelining").document())

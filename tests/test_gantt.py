@@ -73,10 +73,11 @@ def tiny(target: str, **fixed):
 
 @pytest.fixture(scope="module")
 def plans():
-    """pp 2 vpp 2 on the cpu target, without and with full recompute, and with ``fb`` on h100 (the cpu runtime runs
-    no overlap mechanism): that one has OVERLAP_F_B pairs, EP all-to-alls on the intra-node link and DP collectives
-    hidden under compute."""
-    return {"cpu": tiny("cpu"), "full": tiny("cpu", recompute="full"),
+    """pp 2 vpp 2 interleaved on the cpu target without overlap pairs, without and with full recompute, and with
+    ``fb`` on h100: that one has OVERLAP_F_B pairs, EP all-to-alls on the intra-node link and DP collectives hidden
+    under compute."""
+    plain = dict(schedule="interleaved", overlap=frozenset({"pp"}))
+    return {"cpu": tiny("cpu", **plain), "full": tiny("cpu", recompute="full", **plain),
             "fb": tiny("h100", micro_batch=1, ep=2, overlap=frozenset({"fb", "shared-expert", "dp"}))}
 
 

@@ -84,16 +84,22 @@ class Router(nn.Module):
     """Scores, expert choice and gates. ``forward(x [T, h]) -> (idx [T, top_k] int64, gates [T, top_k])``.
 
     Scores are ``sigmoid`` or ``softmax`` of ``gate(x)`` in fp32; gates are the chosen scores, renormalised to sum
-    1 when ``norm_topk_prob``, times ``router_scale``. With ``aux_loss_coeff > 0`` the load-balance loss is attached
-    to the gates' backward. A leaf of the tracer (topk and masks are cheap; the gate matmul is counted).
+    1 when ``norm_topk_prob``, times ``router_scale``. With ``aux_loss_coeff > 0`` the load-balance loss of the
+    forward's tokens is attached to the gates' backward with gradient ``aux_loss_coeff · aux_loss_scale``.
+    ``aux_loss_scale`` is the weight the caller gives this forward's loss in the loss it back-propagates:
+    ``1/n`` when it accumulates ``n`` micro-batch losses as ``Σ loss/n``, so the auxiliary loss is, like the LM loss,
+    the mean over micro-batches of per-micro-batch losses (Megatron-LM ``MoEAuxLossAutoScaler.set_loss_scale``,
+    called with ``1/num_microbatches`` by ``pipeline_parallel/schedules.py`` ``forward_step``). A leaf of the tracer
+    (topk and masks are cheap; the gate matmul is counted).
     """
 
-    def __init__(self, spec: ModelSpec, *, aux_loss_coeff: float = 0.0) -> None:
+    def __init__(self, spec: ModelSpec, *, aux_loss_coeff: float = 0.0, aux_loss_scale: float = 1.0) -> None:
         super().__init__()
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
         self.score, self.routing, self.top_k = spec.router, spec.routing, spec.top_k
         self.num_groups, self.topk_groups = spec.num_expert_groups, spec.topk_groups
         self.scale, self.norm_topk_prob, self.aux_loss_coeff = spec.router_scale, spec.norm_topk_prob, aux_loss_coeff
+        self.aux_loss_scale = aux_loss_scale
 
     def extra_repr(self) -> str:
         return f"score={self.score}, routing={self.routing}, top_k={self.top_k}, groups={self.num_groups}"
@@ -120,7 +126,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores, idx, gates = self.route(x)
         if self.aux_loss_coeff > 0 and gates.requires_grad:
-            gates = AttachAuxLoss.apply(gates, load_balance_loss(scores, idx), self.aux_loss_coeff)
+            aux = load_balance_loss(scores, idx)
+            gates = AttachAuxLoss.apply(gates, aux, self.aux_loss_coeff * self.aux_loss_scale)
         return idx, gates.to(x.dtype)
 
 

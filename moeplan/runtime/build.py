@@ -34,7 +34,7 @@ from moeplan.passes.schedule import stage_of
 from moeplan.plan import Plan
 from moeplan.runtime.expert_parallel import LocalExperts, ParallelMoE
 from moeplan.runtime.groups import (ParallelGroups, RankCoords, check_layout_for_runtime, expert_shards,
-                                    make_node_groups, spans_nodes)
+                                    Ranks, expert_node_ranks, make_node_groups, spans_nodes)
 from moeplan.runtime.parallel import CommLog, ParamShard, Sharded, TPReplicated
 from moeplan.runtime.tensor_parallel import (ParallelEmbedding, ParallelHead, ParallelSwiGLU, ReplicatedLinear,
                                              ShardEnv, parallel_attention, sp_norm)
@@ -185,21 +185,41 @@ def _env(plan: Plan, coords: RankCoords, groups: ParallelGroups, comm_log: CommL
                     comm_log=comm_log)
 
 
+def run_dispatcher(plan: Plan) -> str:
+    """The dispatcher the runtime runs: the plan's, except dedup within one node, which is the flat all-to-all (as
+    the planner prices it)."""
+    dispatcher = plan.comm.dispatcher
+    if dispatcher == "dedup" and not spans_nodes(plan.layout, plan.target.devices_per_node):
+        return "flat"
+    return dispatcher
+
+
+def node_group_ranks(plan: Plan) -> tuple[Ranks, Ranks] | None:
+    """The (inter, intra) expert node groups the runtime creates for ``plan`` (moeplan.runtime.groups
+    .expert_node_ranks), or None when its dispatcher needs none."""
+    dispatcher = run_dispatcher(plan)
+    if not plan.model.spec.is_moe or dispatcher not in ("hierarchical", "dedup"):
+        return None
+    return expert_node_ranks(plan.layout, plan.target.devices_per_node,
+                             min_per_node=1 if dispatcher == "dedup" else 2)
+
+
 def build_rank_modules(plan: Plan, coords: RankCoords, groups: ParallelGroups, *, seed: int, device: torch.device,
-                       dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
+                       dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0, aux_loss_scale: float = 1.0,
                        comm_log: CommLog | None = None) -> dict[int, LayerDict]:
     """Stage id -> LayerDict(layer name -> module) for the PP chunks of ``coords.pp_rank`` (see the module docstring).
 
     Modules are built on meta, moved to ``device`` in ``dtype`` and initialised from ``seed``; copies whose owner
-    is on this rank are tied to it. ``aux_loss_coeff`` is the MoE load-balance loss weight (moeplan.models.Router);
+    is on this rank are tied to it. ``aux_loss_coeff`` is the MoE load-balance loss weight and ``aux_loss_scale``
+    its backward scale, ``1/num_microbatches`` under the executor (moeplan.models.Router). With ``shared-expert`` in
+    ``plan.comm.overlap`` the shared experts run beside the dispatch (moeplan.runtime.expert_parallel);
     ``comm_log`` tallies the payload bytes of every TP/EP/CP collective the modules run (by comm class).
     The hierarchical and dedup dispatchers' node groups (moeplan.runtime.groups.make_node_groups) are created here, so this
     is collective over the default group for such a plan. Raises PlanError for a plan the runtime cannot execute.
     """
-    dispatcher, per_node = plan.comm.dispatcher, plan.target.devices_per_node
-    if dispatcher == "dedup" and not spans_nodes(plan.layout, per_node):
-        dispatcher = "flat"  # within one node dedup is the flat all-to-all, as the planner prices it
-    dispatch = dict(dispatcher=dispatcher, devices_per_node=per_node)
+    dispatcher, per_node = run_dispatcher(plan), plan.target.devices_per_node
+    dispatch = dict(dispatcher=dispatcher, devices_per_node=per_node, aux_loss_scale=aux_loss_scale,
+                    overlap_shared="shared-expert" in plan.comm.overlap)  # ParallelMoE's keywords
     if plan.model.spec.is_moe and dispatcher in ("hierarchical", "dedup"):
         groups = make_node_groups(plan.layout, per_node, groups, min_per_node=1 if dispatcher == "dedup" else 2)
     env, spec = _env(plan, coords, groups, comm_log), plan.model.spec

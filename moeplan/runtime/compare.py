@@ -5,8 +5,11 @@ Predicted figures come from the plan only: ``prediction`` (step time, exposed co
 collectives with their bytes and seconds, saved bytes), ``sharding.p2p``, ``memory.ranks`` (activation bytes and
 recompute mode per PP rank) and the schedule (number of micro-batches and sends). Per PP rank and step:
 
-- ``F`` = M · Σ over the rank's layers (fwd_s + forward collectives); ``B`` = M · Σ (bwd_input_s + bwd_weight_s +
-  backward collectives), plus fwd_s under full recompute (selective recompute seconds are not in the plan);
+- per compute action of the rank's action list, over the layers of its stage: ``F`` Σ (fwd_s + forward
+  collectives); ``B`` Σ (bwd_input_s + bwd_weight_s + backward collectives), plus the forward under full recompute
+  (selective recompute seconds are not in the plan); ``I`` the same without bwd_weight_s, ``W`` Σ bwd_weight_s;
+  summed per kind. An ``OVERLAP_F_B`` pair is the simulated pair's duration (``compile.plan_timeline``: how much of
+  each half's communication hides under the other's compute is the simulation's figure);
 - ``OPTIMIZER`` = ``prediction.exposed_comm_s["dp"] + prediction.optimizer_s`` (gradient reduce-scatter, parameter
   all-gather, Adam update: the tail after the last backward, as ``passes/simulate.py`` prices it);
 - ``comm pp`` = ``prediction.exposed_comm_s["pp"]``, the simulated wait for p2p transfers; the measured figure is the
@@ -28,6 +31,14 @@ shorter) of each step's value; per-PP-rank figures average the ranks of that PP 
 saved-tensor hooks and the collective meter did not slow down, and the saved-activation peaks and in-layer
 collectives from the metered ones.
 
+Per comm class (:func:`comm_class_rows`, the second table): bytes one device sends per step over the intra-node and
+the inter-node link (``prediction.comm[cls].intra_bytes`` / ``inter_bytes`` against the mean over ranks of
+``RankStep.comm_tier_bytes``, which the runtime tallies for its in-layer classes tp, ep and cp), the exposed seconds
+(``prediction.comm[cls].exposed_s``, averaged over PP ranks, against the mean over ranks of ``RankStep.comm_s``: the
+time the compute stream waited on the class) and the overlap rate (``prediction.comm[cls].overlap_rate`` against
+``1 − Σ comm_s / Σ comm_busy_s`` over the ranks and steps, ``comm_busy_s`` being the seconds the class's collectives
+were in flight). The in-layer classes' seconds come from the metered steps, the others' from the unmetered ones.
+
 Busy machine (:func:`busy_warning`): over the same steps, the CPU time other processes used on rank 0's machine
 (its busy CPU-seconds from /proc/stat minus the CPU seconds of the run's ranks there: global ranks 0 to
 ``LOCAL_WORLD_SIZE − 1``, as torchrun numbers them, or every rank of a local run) plus the time the hypervisor
@@ -47,7 +58,7 @@ from moeplan.errors import PlanError
 from moeplan.ir import kind_of
 from moeplan.plan import Plan
 from moeplan.render import plural
-from moeplan.runtime.metrics import StepRecord
+from moeplan.runtime.metrics import COMM_CLASSES, TIERS, StepRecord
 
 RUNTIME_BYTES = 4
 IN_LAYER = ("tp", "ep", "cp")
@@ -68,11 +79,11 @@ class Row:
     quantity: str
     unit: str
     predicted: float | None
-    measured: float
+    measured: float | None  # None: the run does not measure it
 
     @property
     def ratio(self) -> float | None:
-        return None if not self.predicted else self.measured / self.predicted
+        return None if not self.predicted or self.measured is None else self.measured / self.predicted
 
 
 def read_records(path: str | Path) -> list[StepRecord]:
@@ -106,18 +117,39 @@ def _rank_layers(plan: Plan, pp_rank: int) -> list[str]:
 
 def predicted_rank(plan: Plan, pp_rank: int) -> dict[str, float]:
     """Predicted per-step seconds (F, B, OPTIMIZER, comm:<class>) and bytes (bytes:<class>) of one PP rank."""
+    from moeplan.compile import plan_timeline
+    from moeplan.runtime.build import stage_ids
+    from moeplan.runtime.executor import stage_layers
+
     spec, m = plan.model.spec, plan.layout.num_microbatches
     full = plan.memory.ranks[pp_rank].recompute == "full"
     scale = _byte_scale(plan)
     out: dict[str, float] = defaultdict(float)
-    for name in _rank_layers(plan, pp_rank):
-        cost = plan.sharding.layers[kind_of(spec, name).value]
-        out["F"] += m * cost.fwd_s
-        out["B"] += m * (cost.bwd_input_s + cost.bwd_weight_s + (cost.fwd_s if full else 0.0))
-        for c in cost.collectives:
-            out["F" if c.phase == "fwd" else "B"] += m * c.time_s
-            out[f"comm:{c.comm_class}"] += m * c.time_s
-            out[f"bytes:{c.comm_class}"] += m * c.bytes * scale
+    per_action: dict[tuple[str, int], float] = defaultdict(float)  # (F/B/I/W, stage) -> seconds of one action
+    for stage in stage_ids(plan, pp_rank):
+        for name in stage_layers(plan, stage):
+            cost = plan.sharding.layers[kind_of(spec, name).value]
+            fwd_c = sum(c.time_s for c in cost.collectives if c.phase == "fwd")
+            bwd_c = sum(c.time_s for c in cost.collectives if c.phase != "fwd")
+            recompute = cost.fwd_s + fwd_c if full else 0.0
+            per_action[("F", stage)] += cost.fwd_s + fwd_c
+            per_action[("B", stage)] += cost.bwd_input_s + cost.bwd_weight_s + bwd_c + recompute
+            per_action[("I", stage)] += cost.bwd_input_s + bwd_c + recompute
+            per_action[("W", stage)] += cost.bwd_weight_s
+            for c in cost.collectives:
+                out[f"comm:{c.comm_class}"] += m * c.time_s
+                out[f"bytes:{c.comm_class}"] += m * c.bytes * scale
+    pairs = []
+    for a in map(parse_action, plan.schedule.actions[pp_rank]):
+        if a.parts:
+            pairs.append([f"{p.stage}{p.kind}{p.microbatch}" for p in a.parts])
+        elif (a.kind, a.stage) in per_action:
+            out[a.kind] += per_action[(a.kind, a.stage)]
+    if pairs:  # only the simulation knows how much of a pair's communication hides under the other half
+        spans = {e.action: (e.start_s, e.end_s) for e in plan_timeline(plan).timeline.events
+                 if e.rank == pp_rank and e.stream == "compute"}
+        out["OVERLAP_F_B"] = sum(max(spans[t][1] for t in texts) - min(spans[t][0] for t in texts)
+                                 for texts in pairs)
     sends = sum(1 for a in plan.schedule.actions[pp_rank] if parse_action(a).kind.startswith("SEND"))
     out["bytes:pp"] += sends * plan.sharding.p2p.bytes * scale
     if plan.layout.pp > 1:
@@ -176,7 +208,8 @@ def compare(plan: Plan, records: list[StepRecord], *, first_step: int = 5) -> li
     for pp_rank in range(plan.layout.pp):
         pred, meas = predicted_rank(plan, pp_rank), measured_rank(timed, metered, pp_rank)
         tag = f"pp{pp_rank}"
-        for kind in ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_WAIT", "OPTIMIZER"):
+        for kind in ("F", "B", "I", "W", "OVERLAP_F_B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_WAIT",
+                     "OPTIMIZER"):
             if kind in pred or kind in meas:
                 rows.append(Row(f"{tag} {kind}", "s", pred.get(kind), meas.get(kind, 0.0)))
         for cls in (*IN_LAYER, "pp", "dp"):
@@ -193,6 +226,43 @@ def compare(plan: Plan, records: list[StepRecord], *, first_step: int = 5) -> li
         rows.append(Row(f"{tag} peak swapped activations (host)", "bytes",
                         predicted_host_bytes(plan, pp_rank) * _byte_scale(plan), meas.get("peak_host_bytes", 0.0)))
     return [r for r in rows if r.measured or r.predicted]
+
+
+COMM_FIGURES = (("intra-node bytes", "bytes"), ("inter-node bytes", "bytes"), ("exposed", "s"),
+                ("overlap rate", "rate"))
+"""The figures of :func:`comm_class_rows` per comm class, with their units."""
+
+
+def comm_class_rows(plan: Plan, records: list[StepRecord], *, first_step: int = 5) -> list[Row]:
+    """Per comm class (metrics.COMM_CLASSES order; a class the plan names or the run measured), the rows
+    ``comm <class> <figure>`` of :data:`COMM_FIGURES`, predicted vs measured (module docstring). Bytes are per
+    device and step, the plan's scaled to the fp32 runtime; a tier's measured bytes are None for a class whose
+    tiers the runtime does not tally (pp, dp), an overlap rate None for a class that moved nothing."""
+    window = _window(records, first_step)
+    timed = [r for r in window if not r.metered] or window
+    metered = [r for r in window if r.metered] or [r for r in records if r.metered] or window
+    scale = _byte_scale(plan)
+    rows: list[Row] = []
+    for cls in COMM_CLASSES:
+        pred = plan.prediction.comm.get(cls)
+        steps = metered if cls in IN_LAYER else timed
+        waited = [sum(r.comm_s.get(cls, 0.0) for r in rec.ranks) / len(rec.ranks) for rec in steps]
+        busy = sum(r.busy_s(cls) for rec in steps for r in rec.ranks)
+        tiers = {t: [sum(r.comm_tier_bytes.get(cls, {}).get(t, 0) for r in rec.ranks) / len(rec.ranks)
+                     for rec in window] for t in TIERS}
+        moved = pred is not None and (pred.total_s or pred.intra_bytes or pred.inter_bytes)
+        if not moved and not busy and not any(any(v) for v in tiers.values()):
+            continue
+        tallied = cls in IN_LAYER
+        rows += [
+            Row(f"comm {cls} intra-node bytes", "bytes", pred and pred.intra_bytes * scale,
+                statistics.median(tiers["intra"]) if tallied else None),
+            Row(f"comm {cls} inter-node bytes", "bytes", pred and pred.inter_bytes * scale,
+                statistics.median(tiers["inter"]) if tallied else None),
+            Row(f"comm {cls} exposed", "s", pred and pred.exposed_s, statistics.median(waited)),
+            Row(f"comm {cls} overlap rate", "rate", pred and pred.overlap_rate,
+                1 - sum(r.comm_s.get(cls, 0.0) for rec in steps for r in rec.ranks) / busy if busy else None)]
+    return rows
 
 
 def busy_warning(records: list[StepRecord], *, first_step: int = 5) -> str | None:
@@ -255,6 +325,8 @@ def _fmt(value: float | None, unit: str) -> str:
         return f"{value * 1e3:,.2f} ms"
     if unit == "bytes":
         return f"{value / 2**20:,.3f} MiB"
+    if unit == "rate":
+        return f"{value:.0%}"
     return f"{value:,.0f}"
 
 
@@ -268,4 +340,21 @@ def render_rows(console, rows: list[Row], *, title: str) -> None:
     for r in rows:
         table.add_row(r.quantity, _fmt(r.predicted, r.unit), _fmt(r.measured, r.unit),
                       "—" if r.ratio is None else f"{r.ratio:.2f}")
+    console.print(table)
+
+
+def render_comm_classes(console, rows: list[Row], *, title: str) -> None:
+    """The rows of :func:`comm_class_rows` as a rich table: per comm class (named on its first line) each figure's
+    predicted and measured value and their ratio (``—`` where not known)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("class", "figure", "predicted", "measured", "measured/predicted"):
+        table.add_column(col, justify="left" if col in ("class", "figure") else "right")
+    shown = None
+    for r in rows:
+        _, cls, figure = r.quantity.split(" ", 2)
+        table.add_row(cls if cls != shown else "", figure, _fmt(r.predicted, r.unit), _fmt(r.measured, r.unit),
+                      "—" if r.ratio is None else f"{r.ratio:.2f}", end_section=figure == COMM_FIGURES[-1][0])
+        shown = cls
     console.print(table)

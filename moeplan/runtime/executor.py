@@ -13,11 +13,20 @@ Actions (torch.distributed.pipelining notation, parsed by ``cost_models.timeline
   schedules of torch.distributed.pipelining split the graph instead). Autograd may traverse a selective or
   per-tensor recompute region only once (torch's selective checkpoint refuses a second backward), so on a PP rank
   with such a mode I runs the whole backward (dX and dW) and W does nothing: same gradients, no deferred dW.
-- ``({s}F{m};{s'}B{m'})OVERLAP_F_B``: DualPipeV's overlapped pair, run as its F, then its B (no overlap yet).
+- ``({s}F{m};{s'}B{m'})OVERLAP_F_B``: the overlapped pair of ``fb`` overlap (DualPipeV, and 1F1B / interleaved
+  with ``fb``): the F and the B run on one compute stream from two host threads, each one's collectives in flight
+  while the other computes (moeplan.runtime.overlap); its wall time is recorded under ``OVERLAP_F_B``. Without a
+  :class:`~moeplan.runtime.overlap.PairRunner`, or on a PP rank with a per-tensor recompute mode (whose bookkeeping
+  follows one forward at a time), the pair runs as its F, then its B.
 - ``{s}SEND_F{m}`` / ``{s}SEND_B{m}``: ``isend`` of the stage's outputs to stage s+1 / of its input gradients to
   stage s−1 (contiguous tensors); completed at the end of the step.
 - ``{s}RECV_F{m}`` / ``{s}RECV_B{m}``: ``irecv`` of the inputs of stage s / of the gradients of its outputs, waited
-  for at once (the schedule places each RECV right before its consumer, as torch's ``_PipelineScheduleRuntime``).
+  for at the action (the schedule places each RECV right before its consumer, as torch's
+  ``_PipelineScheduleRuntime``). With the ``pp`` overlap mechanism (``plan.comm.overlap``) the ``irecv`` is posted
+  earlier, before the compute action that precedes the RECV runs, so the receiver is ready before the sender sends:
+  gloo (and NCCL's p2p) move the data only once both sides have posted, so a receive posted late waits for a full
+  handshake with the sender, while one posted early finds the data on its way (Megatron-LM likewise posts the next
+  receive with the current send, ``send_forward_recv_backward``).
 
 What crosses a stage boundary (:class:`CarryFields`) follows from the layers before it: the main hidden state until
 ``head``; the MTP hidden state from ``mtp.0`` until the last ``mtp_head``; the running MTP loss after the first
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -52,7 +62,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from moeplan.cost_models.timeline import parse_action
+from moeplan.cost_models.timeline import Action, parse_action
 from moeplan.errors import PlanError
 from moeplan.ir import LayerKind, kind_of
 from moeplan.models import DEFAULT_MTP_WEIGHT
@@ -61,6 +71,7 @@ from moeplan.plan import Plan
 from moeplan.runtime.activations import PerTensorCalls
 from moeplan.runtime.data import MicroBatch
 from moeplan.runtime.metrics import CommMeter, CommTotals, SavedActivationMeter
+from moeplan.runtime.overlap import PairRunner
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,11 @@ def rank_of(plan: Plan, stage: int) -> int:
     """PP rank that holds pipeline stage ``stage``: ``stage % pp`` (``loop`` placement) or, for the ``v``
     placement of ZB-V and DualPipeV, ``stage`` for ``stage < pp`` and ``2·pp − 1 − stage`` after."""
     return stage_rank(stage, pp=plan.layout.pp, placement=plan.stages.placement)
+
+
+def has_pairs(plan: Plan) -> bool:
+    """Whether the schedule has OVERLAP_F_B pairs (on any PP rank: the same answer on every rank)."""
+    return any(a.startswith("(") for actions in plan.schedule.actions for a in actions)
 
 
 def stage_layers(plan: Plan, stage: int) -> list[str]:
@@ -163,20 +179,25 @@ SAVED_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
 
 
 class _AttentionScope(TorchFunctionMode):
-    """Marks the ops run inside ``F.scaled_dot_product_attention`` (``depth > 0``) for the selective policy."""
+    """Marks the ops run inside ``F.scaled_dot_product_attention`` (``depth > 0``, per thread: the halves of an
+    OVERLAP_F_B pair run on two) for the selective policy."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.depth = 0
+        self._local = threading.local()
+
+    @property
+    def depth(self) -> int:
+        return getattr(self._local, "depth", 0)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is not F.scaled_dot_product_attention:
             return func(*args, **(kwargs or {}))
-        self.depth += 1
+        self._local.depth = self.depth + 1
         try:
             return func(*args, **(kwargs or {}))
         finally:
-            self.depth -= 1
+            self._local.depth -= 1
 
 
 class _ReleaseOnExit:
@@ -252,14 +273,20 @@ class PipelineExecutor:
     PP rank of this pipeline; ``localize`` turns a micro-batch of full sequences into what this rank's layers take
     (identity for moeplan.runtime.build, whose layers take whole micro-batches); ``call`` wraps each layer call
     (:func:`recompute_call`); ``comm_classes`` maps the names of this rank's in-layer process groups (TP, CP,
-    EP...) to comm classes for :class:`CommMeter`; empty when it has none, which skips the meter.
+    EP...) to comm classes for :class:`CommMeter`; empty when it has none, which skips the meter. ``grads_ready(stage)``
+    is called once per step as soon as the parameter gradients of ``stage`` are complete (after its last B or W
+    action), so the DP reduction of that stage can start while later actions run. ``pairs`` runs the OVERLAP_F_B
+    pairs overlapped (None: as F, then B).
     """
 
     def __init__(self, plan: Plan, *, pp_rank: int, pp_ranks: Sequence[int], modules: Mapping[int, nn.ModuleDict],
                  meter: SavedActivationMeter, comm_classes: Mapping[str, str],
                  localize: Callable[[MicroBatch], MicroBatch], call: LayerWrapper = _plain,
-                 mtp_weight: float = DEFAULT_MTP_WEIGHT, device: torch.device = torch.device("cpu")) -> None:
+                 mtp_weight: float = DEFAULT_MTP_WEIGHT, device: torch.device = torch.device("cpu"),
+                 grads_ready: Callable[[int], None] | None = None, pairs: PairRunner | None = None) -> None:
         self.plan, self.pp_rank, self.pp_ranks, self.device = plan, pp_rank, tuple(pp_ranks), device
+        self.grads_ready = grads_ready
+        self.pairs = None if isinstance(call, PerTensorCalls) else pairs
         self.modules, self.meter, self.localize, self.call = modules, meter, localize, call
         self.comm_classes, self.mtp_weight = dict(comm_classes), mtp_weight
         self.actions = [parse_action(a) for a in plan.schedule.actions[pp_rank]]
@@ -273,6 +300,21 @@ class PipelineExecutor:
         self.shapes = {s: boundary_shapes(plan, s) for s in range(self.num_stages - 1)}
         self.in_fields = {s: fields_after(plan, [n for p in range(s) for n in stage_layers(plan, p)])
                           for s in self.layers}
+        # the action after which a stage's parameter gradients are complete for the step (its last B or W)
+        self.last_grad_action = {}
+        for i, a in enumerate(self.actions):
+            for part in a.parts or (a,):
+                if part.kind in ("B", "W"):
+                    self.last_grad_action[part.stage] = (i, part.kind, part.microbatch)
+        # "pp" overlap: action index -> the RECV actions to post before it runs (module docstring)
+        self.post_before: dict[int, list[Action]] = {}
+        if "pp" in plan.comm.overlap:
+            last_compute = 0
+            for i, a in enumerate(self.actions):
+                if a.kind in ("RECV_F", "RECV_B"):
+                    self.post_before.setdefault(last_compute, []).append(a)
+                elif a.kind in ("F", "B", "I", "W") or a.parts:
+                    last_compute = i
         # autograd traverses a selective or per-tensor recompute region once only: I then runs the whole backward
         self.one_pass_iw = plan.memory.ranks[pp_rank].recompute not in ("none", "full")
 
@@ -289,14 +331,29 @@ class PipelineExecutor:
         self._grad_out: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._grad_in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._posted: dict[tuple[str, int, int], tuple[tuple[torch.Tensor, ...], list[dist.Work]]] = {}
         self._dw_done: set[tuple[int, int]] = set()  # (stage, mb) whose one-pass I computed dW already
         self._loss_sum, times = 0.0, Counter()
         self._comm = comm
-        for a in self.actions:
-            for part in a.parts or (a,):  # an OVERLAP_F_B pair runs its F, then its B
+        for i, a in enumerate(self.actions):
+            for recv in self.post_before.get(i, ()):
+                self._posted[(recv.kind, recv.stage, recv.microbatch)] = self._post_recv(recv.kind, recv.stage,
+                                                                                         recv.microbatch)
+            if a.parts and self.pairs is not None:
                 t0 = time.perf_counter()
-                self._dispatch(part.kind, part.stage, part.microbatch)
-                times[part.kind] += time.perf_counter() - t0
+                self._overlapped(*a.parts)
+                times[a.kind] += time.perf_counter() - t0
+                done = a.parts
+            else:
+                done = a.parts or (a,)  # without a PairRunner an OVERLAP_F_B pair runs its F, then its B
+                for part in done:
+                    t0 = time.perf_counter()
+                    self._dispatch(part.kind, part.stage, part.microbatch)
+                    times[part.kind] += time.perf_counter() - t0
+            for part in done:
+                if self.grads_ready is not None and self.last_grad_action.get(part.stage) == (i, part.kind,
+                                                                                               part.microbatch):
+                    self.grads_ready(part.stage)
         t0 = time.perf_counter()
         for work, _ in self._sends:
             work.wait()
@@ -323,11 +380,20 @@ class PipelineExecutor:
         elif kind == "SEND_B":
             self._send(self._grad_in.pop((stage, mb)), stage - 1, stage, mb, 1)
         elif kind == "RECV_F":
-            self._in[(stage, mb)] = self._recv(self.shapes[stage - 1], stage - 1, stage, mb, 0)
+            self._in[(stage, mb)] = self._recv(kind, stage, mb)
         elif kind == "RECV_B":
-            self._grad_out[(stage, mb)] = self._recv(self.shapes[stage], stage + 1, stage, mb, 1)
+            self._grad_out[(stage, mb)] = self._recv(kind, stage, mb)
         else:
             raise PlanError(f"schedule.actions[{self.pp_rank}]: action kind {kind!r} is not executable")
+
+    def _overlapped(self, f, b) -> None:
+        """One OVERLAP_F_B pair on :attr:`pairs` (its F and B parts)."""
+        def forward() -> None:
+            with self.meter.hooks() if self._metered else contextlib.nullcontext():
+                self._forward(f.stage, f.microbatch)
+
+        self.pairs.run(forward, lambda: self._backward(b.stage, b.microbatch, b.kind),
+                       totals=self._comm if self._metered else None)
 
     # ---- compute ----------------------------------------------------------------------------------------------
     def _stage_inputs(self, stage: int, mb: int) -> tuple[torch.Tensor, ...]:
@@ -408,13 +474,22 @@ class PipelineExecutor:
                                 buf))
             self._comm.add("pp", 0.0, buf.numel() * buf.element_size())
 
-    def _recv(self, shapes: Sequence[tuple[int, ...]], from_stage: int, stage: int, mb: int,
-              direction: int) -> tuple[torch.Tensor, ...]:
-        tag_stage = from_stage if direction == 0 else stage
+    def _post_recv(self, kind: str, stage: int, mb: int) -> tuple[tuple[torch.Tensor, ...], list[dist.Work]]:
+        """Post the ``irecv`` of RECV_F (the inputs of ``stage``) or RECV_B (the gradients of its outputs)."""
+        if kind == "RECV_F":
+            shapes, from_stage, direction, tag_stage = self.shapes[stage - 1], stage - 1, 0, stage - 1
+        else:
+            shapes, from_stage, direction, tag_stage = self.shapes[stage], stage + 1, 1, stage
         bufs = tuple(torch.empty(s, device=self.device) for s in shapes)
-        t0 = time.perf_counter()
         works = [dist.irecv(b, self._peer(from_stage), tag=self._tag(tag_stage, mb, direction, i))
                  for i, b in enumerate(bufs)]
+        return bufs, works
+
+    def _recv(self, kind: str, stage: int, mb: int) -> tuple[torch.Tensor, ...]:
+        """Wait for a RECV posted earlier (``pp`` overlap), or post it and wait; the wait is the ``pp`` time."""
+        t0 = time.perf_counter()
+        posted = self._posted.pop((kind, stage, mb), None)
+        bufs, works = posted if posted is not None else self._post_recv(kind, stage, mb)
         for w in works:
             w.wait()
         self._comm.add("pp", time.perf_counter() - t0, 0)

@@ -1,35 +1,37 @@
 """Expert parallelism: the MoE block with routed experts spread over the expert group (Megatron-LM
 ``MoEAlltoAllTokenDispatcher``; DeepSeek-V3 §3.2; MindSpeed ``--moe-tp-extend-ep``).
 
-Per forward, on a rank whose hidden state is its SP slice ``[b, s/(cp·tp), h]``:
+Per forward, on a rank whose hidden state is its SP slice ``[b, s/(cp·tp), h]`` (every step works on the rank's
+own tokens; under SP the TP ranks hold different tokens):
 
-1. **Tokens.** With expert-TP (``etp > 1``) the slice is all-gathered over the etp group, so the etp peers hold the
-   same tokens; otherwise (``etp = 1``: plain EP or TP-extend-EP) the rank routes its own SP slice — under SP the
-   TP ranks already hold different tokens, so the TP group extends the expert group without a gather.
-2. **Routing** of the rank's own SP slice with the model family's :class:`moeplan.models.Router` (same scores,
-   ``select`` — top-k, group-limited, MoGE — and gates), the gate weight's gradient summed over TP once per step;
-   under expert-TP the chosen experts and gates are then all-gathered over etp with the tokens (Megatron-LM routes
-   before its dispatcher gathers over TP), so the router keeps only the slice for backward. Drop-and-pad
-   (``capacity_factor``) keeps, per expert, the first ``C`` slots of the WHOLE micro-batch in token order exactly
-   as moeplan.models.TokenPermute: the chosen experts of all tp×cp ranks are all-gathered to decide it. The
-   auxiliary load-balance loss uses micro-batch-wide expert shares (all-reduced), so its gradient is exact too.
-3. **Dispatch** (``plan.comm.dispatcher``, docs/step-model.md §3). ``flat``: kept slots are sorted by
+1. **Routing** of the rank's own tokens with the model family's :class:`moeplan.models.Router` (same scores,
+   ``select`` — top-k, group-limited, MoGE — and gates), the gate weight's gradient summed over TP once per step.
+   Drop-and-pad (``capacity_factor``) keeps, per expert, the first ``C`` slots of the WHOLE micro-batch in token
+   order exactly as moeplan.models.TokenPermute: the chosen experts of all tp×cp ranks are all-gathered to decide
+   it. The auxiliary load-balance loss uses micro-batch-wide expert shares (all-reduced), so its gradient is exact
+   too, and it is scaled like the LM loss (:class:`ParallelRouter`).
+2. **Dispatch** (``plan.comm.dispatcher``, docs/step-model.md §3). ``flat``: kept slots are sorted by
    (destination rank, local expert); the ``[ranks, local experts]`` counts are exchanged by ``all_to_all_single``
    first, then the token rows go by ``all_to_all_single`` with uneven splits. ``hierarchical`` (MindSpeed
    ``--moe-hierarchical-alltoallv``) all-gathers the tokens and their routing over the rank's peers on the other
    nodes first, then runs the flat exchange inside the node for that node's experts. ``dedup`` (DeepEP normal
    kernels) sends each token once per node holding one of its experts and forwards it once per target rank there.
-4. **Experts.** The rank's experts (``plan.experts.shards[expert_rank]``) as one :class:`LocalExperts`; under
-   expert-TP each expert's FFN width is split over etp (``w1``/``w3`` columns, ``w2`` rows: partial sums).
+3. **Shared experts beside the dispatch** (``shared-expert`` in ``plan.comm.overlap``): the token all-to-all (the
+   first one of ``dedup``) is posted asynchronously, the merged shared experts (a TP SwiGLU on the block's input)
+   run, and the rows are waited for just before the experts use them (Megatron-LM
+   ``--moe-shared-expert-overlap``). Without it the shared experts run after the combine. Same numbers either way.
+4. **Experts.** The rank's experts (``plan.experts.shards[expert_rank]``) as one :class:`LocalExperts`. Under
+   expert-TP (``etp > 1``) each expert's FFN width is split over etp (``w1``/``w3`` columns, ``w2`` rows), and, as
+   in Megatron-LM, the rows the all-to-all delivered are all-gathered over etp AFTER it (uneven sizes), so the etp
+   peers compute their FFN parts of the same rows; a reduce-scatter over etp sums the parts back to the rows each
+   rank received. Each token thus crosses the expert group once, whatever etp is.
 5. **Combine.** The reverse exchange (hierarchical: then a reduce-scatter over the nodes; dedup: summing at
-   each hop), the gate-weighted sum per token (moeplan.models.TokenUnpermute, so
-   backward keeps the returned rows once, as the model does), then (expert-TP) reduce-scatter over etp
-   back to the SP slice. The merged shared experts are a TP SwiGLU on the same input.
-
-Under expert-TP the dispatch carries the etp-gathered tokens, so each token crosses the expert group once per etp
-rank (Megatron-LM instead all-to-alls first and gathers over etp after): same results, even-sized collectives.
+   each hop), then the gate-weighted sum per token (moeplan.models.TokenUnpermute, so backward keeps the returned
+   rows once, as the model does), plus the shared experts' output.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -40,8 +42,9 @@ from moeplan.models.moe import AttachAuxLoss
 from moeplan.runtime.context_parallel import local_positions
 from moeplan.names import Dispatcher
 from moeplan.runtime.groups import expert_node_ranks, group_ranks
-from moeplan.runtime.parallel import (Link, ParamShard, Sharded, TPReplicated, all_gather, all_to_all,
-                                      exchange_counts, gather_no_grad, reduce_scatter, split_range)
+from moeplan.runtime.parallel import (Link, ParamShard, Sharded, TPReplicated, all_gather, all_gather_v, all_to_all,
+                                      all_to_all_async, exchange_counts, gather_no_grad, reduce_scatter,
+                                      reduce_scatter_v, split_range)
 from moeplan.runtime.tensor_parallel import ParallelSwiGLU, ShardEnv
 from moeplan.spec import ModelSpec
 
@@ -65,20 +68,46 @@ class LocalExperts(GroupedExperts, Sharded):
 
 class ParallelRouter(Router, TPReplicated):
     """moeplan.models.Router with a micro-batch-wide auxiliary loss; the gate is replicated over TP
-    (:class:`TPReplicated`: its gradient is summed over TP once per step).
+    (:class:`TPReplicated`: its gradient is summed over TP once per step). With ``aux_loss_scale = 1/m`` for the
+    ``m`` micro-batches a DP rank accumulates, the optimizer's SUM over dp_cp and ``1/dp`` make the gate's
+    auxiliary gradient ``aux_loss_coeff`` times the mean over the step's ``dp·m`` micro-batches of each micro-batch's
+    loss gradient, scaled exactly like the LM loss (Megatron-LM pipeline_parallel/schedules.py ``forward_step``:
+    ``MoEAuxLossAutoScaler.set_loss_scale(cp/num_microbatches)``, then its mean over dp·cp; here CP shares are
+    summed, so no ``cp`` factor).
 
     ``forward(x [T, h] this rank's tokens, num_tokens: tokens in the micro-batch) -> (idx [T, k], gates [T, k])``.
+
+    ``force_balanced`` (``moeplan run --force-balanced-routing``, a benchmarking switch that changes training):
+    the gate's logits are replaced by standard-normal ones from the default generator, so each token's experts are
+    a uniform random choice (top-k: a uniform k-subset), the balanced routing the plan prices; the gradient passes
+    straight through to the gate (Megatron-LM ``--moe-router-force-load-balancing``: ``apply_random_logits`` /
+    ``RandomSTE`` in megatron/core/transformer/moe/moe_utils.py, called from router.py).
     """
 
-    def __init__(self, spec: ModelSpec, env: ShardEnv, *, aux_loss_coeff: float) -> None:
-        super().__init__(spec, aux_loss_coeff=aux_loss_coeff)
+    force_balanced: bool = False
+
+    class RandomLogits(torch.autograd.Function):
+        """Forward: standard-normal logits of the same shape; backward: the gradient unchanged."""
+
+        @staticmethod
+        def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+            return torch.randn_like(logits)
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+            return grad
+
+    def __init__(self, spec: ModelSpec, env: ShardEnv, *, aux_loss_coeff: float, aux_loss_scale: float = 1.0) -> None:
+        super().__init__(spec, aux_loss_coeff=aux_loss_coeff, aux_loss_scale=aux_loss_scale)
         self.env = env
+        self.gate.register_forward_hook(
+            lambda gate, args, logits: self.RandomLogits.apply(logits) if self.force_balanced else None)
 
     def forward(self, x: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         scores, idx, gates = self.route(x)
         if self.aux_loss_coeff > 0 and gates.requires_grad:
             aux = self._aux_share(scores, idx, num_tokens)
-            gates = AttachAuxLoss.apply(gates, aux, self.aux_loss_coeff)
+            gates = AttachAuxLoss.apply(gates, aux, self.aux_loss_coeff * self.aux_loss_scale)
         return idx, gates.to(x.dtype)
 
     def _aux_share(self, scores: torch.Tensor, idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -111,22 +140,25 @@ class ParallelMoE(nn.Module):
 
     ``dispatcher``: flat, hierarchical or dedup; the last two need ``env.groups.expert_inter`` / ``expert_intra``
     (moeplan.runtime.groups.make_node_groups for nodes of ``devices_per_node`` ranks). Raises PlanError for
-    another name or an expert group that is not split evenly over several nodes.
+    another name or an expert group that is not split evenly over several nodes. ``aux_loss_coeff`` /
+    ``aux_loss_scale``: :class:`ParallelRouter`'s. ``overlap_shared`` (``shared-expert`` in ``plan.comm.overlap``):
+    the shared experts run while the token all-to-all is in flight (module docstring, step 3).
 
     Parameters: ``router.gate.weight`` (replicated), ``experts.w1/w3/w2`` (this rank's experts and etp part),
     ``shared.w1/w3/w2`` (TP-sharded), named as in moeplan.models.MoE.
     """
 
-    def __init__(self, env: ShardEnv, *, aux_loss_coeff: float = 0.0, dispatcher: Dispatcher = "flat",
-                 devices_per_node: int = 1) -> None:
+    def __init__(self, env: ShardEnv, *, aux_loss_coeff: float = 0.0, aux_loss_scale: float = 1.0,
+                 dispatcher: Dispatcher = "flat", devices_per_node: int = 1, overlap_shared: bool = False) -> None:
         super().__init__()
         spec, lay, coords = env.spec, env.layout, env.coords
         self.env, self.hidden = env, spec.hidden_size
-        self.router = ParallelRouter(spec, env, aux_loss_coeff=aux_loss_coeff)
+        self.router = ParallelRouter(spec, env, aux_loss_coeff=aux_loss_coeff, aux_loss_scale=aux_loss_scale)
         mine = env.expert_placement[coords.expert_rank]
         self.experts = LocalExperts(spec, experts=mine, etp=lay.etp, etp_rank=coords.etp_rank)
         self.combine = TokenUnpermute()
         self.shared = ParallelSwiGLU(spec.hidden_size, spec.shared_ffn_size, env) if spec.num_shared_experts else None
+        self.overlap_shared = overlap_shared and self.shared is not None
         self.dispatcher = dispatcher
         self.slots_per_rank = max(len(s) for s in env.expert_placement)
         owner, local = [0] * spec.num_experts, [0] * spec.num_experts
@@ -157,15 +189,9 @@ class ParallelMoE(nn.Module):
         elif dispatcher != "flat":
             raise PlanError(f"comm.dispatcher={dispatcher!r}: must be one of flat, hierarchical, dedup")
 
-    def _token_rows(self, batch: int, device: torch.device) -> torch.Tensor:
-        """Flat micro-batch index ``b·s + position`` of each row of the etp-gathered tokens."""
-        env, lay = self.env, self.env.layout
-        base = env.coords.tp_rank - env.coords.etp_rank
-        pos = torch.cat([env.positions(base + r) for r in range(lay.etp)]).to(device)
-        return (torch.arange(batch, device=device)[:, None] * lay.seq_len + pos[None, :]).flatten()
-
-    def _keep(self, own_idx: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
-        """Drop-and-pad decision for ``rows`` from the chosen experts ``own_idx`` of every rank of the micro-batch."""
+    def _keep(self, own_idx: torch.Tensor, batch: int) -> torch.Tensor:
+        """Drop-and-pad decision for this rank's tokens from the chosen experts ``own_idx`` of every rank of the
+        micro-batch."""
         env, lay = self.env, self.env.layout
         every = gather_no_grad(own_idx, env.tp_cp_link)  # tp_cp order: tp innermost, then cp
         where = torch.cat([
@@ -175,35 +201,29 @@ class ParallelMoE(nn.Module):
         whole = torch.empty((batch * lay.seq_len, own_idx.shape[1]), dtype=own_idx.dtype, device=own_idx.device)
         whole[where] = every
         keep = capacity_keep(whole, num_experts=env.spec.num_experts, capacity_factor=env.spec.capacity_factor)
-        return keep.index_select(0, rows)
+        rows = (torch.arange(batch)[:, None] * lay.seq_len + env.positions()[None, :]).flatten()
+        return keep.index_select(0, rows.to(own_idx.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         env, batch = self.env, x.shape[0]
         own = x.reshape(-1, self.hidden)
-        own_idx, own_gates = self.router(own, batch * env.layout.seq_len)
-        k = own_idx.shape[1]
-        # expert-TP: the etp group's tokens and their routing (gates and expert ids in one message; ids are exact in
-        # floating point), gathered along the sequence (dim 1)
-        flat = all_gather(x, 1, env.etp_link).reshape(-1, self.hidden)
-        routing = torch.cat((own_gates, own_idx.to(own_gates.dtype)), dim=-1).view(batch, -1, 2 * k)
-        gates, idx = all_gather(routing, 1, env.etp_link).reshape(-1, 2 * k).split(k, dim=-1)
-        idx = idx.long()
-        rows = self._token_rows(batch, x.device)
-        keep = None if env.spec.capacity_factor is None else self._keep(own_idx, rows, batch)
+        idx, gates = self.router(own, batch * env.layout.seq_len)
+        keep = None if env.spec.capacity_factor is None else self._keep(idx, batch)
+        shared: list[torch.Tensor] = []
+        beside = (lambda: shared.append(self.shared(x))) if self.overlap_shared else None
         if self.dispatcher == "hierarchical":
-            routed = self._hierarchical(flat, idx, gates, keep)
+            routed = self._hierarchical(own, idx, gates, keep, beside)
         elif self.dispatcher == "dedup":
-            routed = self._dedup(flat, idx, gates, keep)
+            routed = self._dedup(own, idx, gates, keep, beside)
         else:
-            routed = self._routed(flat, idx, gates, keep)
-        routed = routed.view(batch, -1, self.hidden)
-        out = reduce_scatter(routed, 1, env.etp_link)
+            routed = self._routed(own, idx, gates, keep, beside)
+        out = routed.view_as(x)
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + (shared[0] if beside else self.shared(x))
         return out
 
-    def _hierarchical(self, flat: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor,
-                      keep: torch.Tensor | None) -> torch.Tensor:
+    def _hierarchical(self, flat: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, keep: torch.Tensor | None,
+                      beside: Callable[[], None] | None) -> torch.Tensor:
         """MindSpeed's hierarchical all-to-all-v: all-gather the tokens with their routing (gate, expert id and
         keep flag per copy: ``12·k`` bytes in fp32, docs/step-model.md §3) over the rank's peers on the other
         nodes, all-to-all-v of the copies routed to this node's experts inside the node, then the combine: the
@@ -212,11 +232,11 @@ class ParallelMoE(nn.Module):
         kept = torch.ones_like(gates) if keep is None else keep.to(gates.dtype)
         every = all_gather(torch.cat((flat, gates, idx.to(gates.dtype), kept), dim=-1), 0, self.inter_link)
         tokens, gates, idx, kept = every.split((self.hidden, k, k, k), dim=-1)
-        out = self._routed(tokens, idx.long(), gates, kept > 0)
+        out = self._routed(tokens, idx.long(), gates, kept > 0, beside)
         return reduce_scatter(out, 0, self.inter_link)
 
-    def _dedup(self, flat: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor,
-               keep: torch.Tensor | None) -> torch.Tensor:
+    def _dedup(self, flat: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, keep: torch.Tensor | None,
+               beside: Callable[[], None] | None) -> torch.Tensor:
         """DeepEP-style deduplicating dispatch: each token (with its gates, expert ids and keep flags, ``12·k``
         bytes in fp32) goes once to each node holding one of its kept experts, to the rank at this rank's place
         there (all-to-all-v over the inter-node group), that rank forwards it once to each rank of its node that
@@ -225,7 +245,7 @@ class ParallelMoE(nn.Module):
         k = idx.shape[1]
         kept = torch.ones_like(gates, dtype=torch.bool) if keep is None else keep
         rows = torch.cat((flat, gates, idx.to(gates.dtype), kept.to(gates.dtype)), dim=-1)
-        at_node, node_rows = self._send_once(rows, idx, kept, self.node_of, self.inter_link)
+        at_node, node_rows = self._send_once(rows, idx, kept, self.node_of, self.inter_link, beside)
         _, idx1, kept1 = at_node.split((self.hidden + k, k, k), dim=-1)
         idx1 = idx1.long()
         here = (kept1 > 0) & (torch.tensor(self.node_of, device=idx1.device).index_select(0, idx1.flatten())
@@ -237,7 +257,7 @@ class ParallelMoE(nn.Module):
         return self._return(out, node_rows, flat.shape[0], self.inter_link)
 
     def _send_once(self, rows: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor, where: tuple[int, ...],
-                   link: Link) -> tuple[torch.Tensor, tuple]:
+                   link: Link, beside: Callable[[], None] | None = None) -> tuple[torch.Tensor, tuple]:
         """Send row ``m`` once to each rank ``where[e]`` of ``link`` for its kept experts ``e``; (received rows,
         the bookkeeping :meth:`_return` needs)."""
         dest = torch.tensor(where, device=rows.device).index_select(0, idx.flatten()).view_as(idx)
@@ -246,7 +266,7 @@ class ParallelMoE(nn.Module):
         to, row = hit.t().nonzero(as_tuple=True)  # ordered by destination, then row
         send_counts = torch.bincount(to, minlength=link.size).view(-1, 1)
         send, recv = send_counts.flatten().tolist(), exchange_counts(send_counts, link).flatten().tolist()
-        return all_to_all(rows.index_select(0, row), send, recv, link), (row, send, recv)
+        return _exchange(rows.index_select(0, row), send, recv, link, beside), (row, send, recv)
 
     @staticmethod
     def _return(y: torch.Tensor, sent: tuple, num_rows: int, link: Link) -> torch.Tensor:
@@ -255,10 +275,10 @@ class ParallelMoE(nn.Module):
         back = all_to_all(y, recv, send, link)
         return back.new_zeros((num_rows, back.shape[1])).index_add(0, row, back)
 
-    def _routed(self, flat: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor,
-                keep: torch.Tensor | None) -> torch.Tensor:
-        """Dispatch over ``self.link``, local experts, combine: ``[T, h]`` (a partial sum over etp under expert-TP,
-        over the nodes under the hierarchical dispatcher, whose copies for other nodes' experts stay behind)."""
+    def _routed(self, flat: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, keep: torch.Tensor | None,
+                beside: Callable[[], None] | None = None) -> torch.Tensor:
+        """Dispatch over ``self.link``, local experts (:meth:`_experts`), combine: ``[T, h]`` (a partial sum over
+        the nodes under the hierarchical dispatcher, whose copies for other nodes' experts stay behind)."""
         link, k, per = self.link, idx.shape[1], self.slots_per_rank
         ranks = link.size
         owner = torch.tensor(self.owner, device=flat.device)
@@ -275,12 +295,36 @@ class ParallelMoE(nn.Module):
         send_counts = torch.bincount(key, minlength=ranks * per).view(ranks, per)
         recv_counts = exchange_counts(send_counts, link)
         send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        received = all_to_all(flat.index_select(0, slots // k), send, recv, link)
-        local_expert = torch.arange(per, device=flat.device).repeat(ranks).repeat_interleave(recv_counts.flatten())
-        by_expert = torch.argsort(local_expert, stable=True)
-        tokens_per_expert = torch.bincount(local_expert, minlength=per)[:self.experts.num_experts]
-        computed = self.experts(received.index_select(0, by_expert), tokens_per_expert)
-        back = all_to_all(computed.index_select(0, torch.argsort(by_expert)), recv, send, link)
+        received = _exchange(flat.index_select(0, slots // k), send, recv, link, beside)
+        back = all_to_all(self._experts(received, recv_counts), recv, send, link)
         row_of_slot = torch.full((idx.numel(),), back.shape[0], dtype=slots.dtype, device=flat.device)
         row_of_slot[slots] = torch.arange(slots.numel(), device=flat.device)
         return self.combine(back, row_of_slot, gates)
+
+    def _experts(self, received: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the rows the dispatch delivered (``recv_counts [ranks, per]``: rows from each rank
+        of the link for each local expert, in that order) -> their outputs, same rows. Under expert-TP the rows of
+        the etp peers (same experts, other FFN parts) are all-gathered first and each rank's rows come back summed
+        over the FFN parts by a reduce-scatter (Megatron-LM ``MoEAlltoAllTokenDispatcher.dispatch_postprocess`` /
+        ``combine_preprocess``, uneven over its tp group)."""
+        etp, per = self.env.etp_link, self.slots_per_rank
+        counts = gather_no_grad(recv_counts.reshape(1, -1), etp)  # [etp, ranks·per]
+        sizes = counts.sum(1).tolist()
+        rows = all_gather_v(received, sizes, etp)
+        local_expert = torch.arange(per, device=rows.device).repeat(counts.numel() // per).repeat_interleave(
+            counts.flatten())
+        by_expert = torch.argsort(local_expert, stable=True)
+        tokens_per_expert = torch.bincount(local_expert, minlength=per)[:self.experts.num_experts]
+        computed = self.experts(rows.index_select(0, by_expert), tokens_per_expert)
+        return reduce_scatter_v(computed.index_select(0, torch.argsort(by_expert)), sizes, etp)
+
+
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], link: Link,
+              beside: Callable[[], None] | None) -> torch.Tensor:
+    """:func:`all_to_all` of ``x``; with ``beside``, the exchange is posted asynchronously, ``beside()`` runs while
+    it is in flight, and the rows are waited for after it, as the experts need them next."""
+    if beside is None:
+        return all_to_all(x, send, recv, link)
+    wait = all_to_all_async(x, send, recv, link)
+    beside()
+    return wait()

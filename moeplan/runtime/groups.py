@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import ClassVar
+from typing import ClassVar, Mapping
 
 import torch.distributed as dist
 
@@ -216,3 +216,40 @@ def make_node_groups(layout: PlanLayout, devices_per_node: int, groups: Parallel
                 if rank in members:
                     mine[kind] = group
     return replace(groups, **mine)
+
+
+#: (GroupRanks kind, comm class) of the groups the layers run collectives on; the first class wins for a member set
+#: two kinds share (passes/shard.py prices the routing statistics over tp_cp and the expert-TP gathers as EP)
+IN_LAYER_KINDS = (("cp", "cp"), ("tp", "tp"), ("tp_cp", "ep"), ("expert", "ep"), ("etp", "ep"))
+
+
+@dataclass(frozen=True)
+class StreamGroups:
+    """A second process group for each in-layer group of this rank (same members), on which the backward half of an
+    ``OVERLAP_F_B`` pair runs its collectives while the forward half uses the first set
+    (moeplan.runtime.overlap): collectives of the two halves are then never interleaved on one group, so their
+    order can differ between ranks. ``clones`` and ``classes`` are keyed by the group's global ranks (ascending)."""
+
+    clones: Mapping[tuple[int, ...], dist.ProcessGroup]
+    classes: Mapping[tuple[int, ...], str]
+
+
+def make_stream_groups(layout: PlanLayout, node_ranks: tuple[Ranks, Ranks] | None = None, *,
+                       timeout: timedelta = DEFAULT_GROUP_TIMEOUT) -> StreamGroups:
+    """Create the :class:`StreamGroups` of ``layout`` (plus the expert node groups ``node_ranks`` of
+    :func:`expert_node_ranks`, comm class ep). Collective over the default process group, like :func:`make_groups`:
+    every rank calls ``new_group`` for every distinct member set of more than one rank, in the same order."""
+    rank, ranks = dist.get_rank(), group_ranks(layout)
+    sets: dict[tuple[int, ...], str] = {}
+    for kind, cls in IN_LAYER_KINDS:
+        for members in getattr(ranks, kind):
+            sets.setdefault(members, cls)
+    for members in (node_ranks[0] + node_ranks[1]) if node_ranks else ():
+        sets.setdefault(members, "ep")
+    clones: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for members in sets:
+        if len(members) > 1:
+            group = dist.new_group(list(members), timeout=timeout)
+            if rank in members:
+                clones[members] = group
+    return StreamGroups(clones=clones, classes={m: sets[m] for m in clones})

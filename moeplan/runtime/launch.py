@@ -3,9 +3,8 @@
 
 - :func:`check_runnable` refuses, with one line (PlanError), a plan the runtime cannot execute: a schedule,
   dispatcher, overlap mechanism or FP8 training it does not run yet (:func:`check_strategy`: it runs the 1F1B,
-  interleaved, zero-bubble, ZB-V and DualPipeV orders, the V-placed ones included; an ``OVERLAP_F_B`` pair would run
-  as its F then its B, but the ``fb`` mechanism that keeps the pairs is refused with the other overlap mechanisms;
-  the flat, hierarchical and dedup dispatchers, every collective synchronously, in fp32 or bf16),
+  interleaved, zero-bubble, ZB-V and DualPipeV orders, the V-placed ones included, with the overlap mechanisms of
+  :data:`RUNTIME_OVERLAP`; the flat, hierarchical and dedup dispatchers, in fp32 or bf16),
   a layout the process groups cannot realise, an action list that is not a complete, matched pipeline schedule, an
   expert placement that does not cover the experts, a device count other than the launched world, a target backend this
   machine lacks. ``load_plan`` has already checked the schema version and the plan's consistency.
@@ -79,6 +78,9 @@ class RunRequest:
     lr: float = 1e-3
     timeout_s: float = DEFAULT_TIMEOUT_S
     meter_every: int = 1
+    force_balanced_routing: bool = False
+    """Benchmarking switch that changes training: every router picks its experts from random scores
+    (moeplan.runtime.expert_parallel.ParallelRouter), so routing is balanced as the plan assumes."""
 
     def argv(self) -> list[str]:
         """The plan path, then every set field as its ``moeplan run`` option (``--checkpoint-every 2``)."""
@@ -101,7 +103,7 @@ class RunRequest:
         it = iter(argv[1:])
         for flag in it:
             name = field[flag]
-            values[name] = True if name == "resume" else convert.get(name, str)(next(it))
+            values[name] = True if name in ("resume", "force_balanced_routing") else convert.get(name, str)(next(it))
         return RunRequest(**values)
 
 
@@ -175,15 +177,23 @@ def check_runnable(plan: Plan, *, world_size: int | None = None, need_backend: b
         check_backend(plan.target.backend)
 
 
+#: the overlap mechanisms the runtime executes (fb: moeplan.runtime.overlap; pp: receives posted early, executor;
+#: dp: per-stage gradient reduce-scatters posted as each stage's backward ends, optimizer; shared-expert: the shared
+#: experts beside the token all-to-all, expert_parallel)
+RUNTIME_OVERLAP = frozenset({"fb", "pp", "dp", "shared-expert"})
+
+
 def check_strategy(plan: Plan) -> None:
     """Raise PlanError for what moeplan's runtime does not execute yet (module docstring), naming the compile flag
     that plans without it."""
     if plan.comm.dispatcher not in ("flat", "hierarchical", "dedup"):
         raise PlanError(f"comm.dispatcher={plan.comm.dispatcher!r}: the runtime has the flat, hierarchical and dedup "
                         f"dispatchers; compile with --dispatcher flat")
-    if plan.comm.overlap:
-        raise PlanError(f"comm.overlap={plan.comm.overlap!r}: the runtime issues every collective synchronously; "
-                        f"compile with --overlap none")
+    missing = [m for m in plan.comm.overlap if m not in RUNTIME_OVERLAP]
+    if missing:
+        raise PlanError(f"comm.overlap={plan.comm.overlap!r}: the runtime does not run {', '.join(missing)} "
+                        f"(it runs {', '.join(sorted(RUNTIME_OVERLAP))}); compile with --overlap "
+                        f"{','.join(m for m in plan.comm.overlap if m in RUNTIME_OVERLAP) or 'none'}")
     if plan.target.training_dtype == "fp8":
         raise PlanError("target.training_dtype='fp8': the runtime has no FP8 GEMMs; compile with --training-dtype bf16")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -53,6 +54,7 @@ class SavedActivationMeter:
     """
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self._lock = threading.RLock()  # the halves of an OVERLAP_F_B pair pack and release on two threads
         self._param_storages = frozenset(p.untyped_storage().data_ptr() for p in params)
         self._refs: dict[int, int] = {}
         self._sizes: dict[int, int] = {}
@@ -66,21 +68,23 @@ class SavedActivationMeter:
         self.host_peak_bytes = self.host_live_bytes
 
     def _acquire(self, ptr: int, nbytes: int) -> None:
-        refs = self._refs.get(ptr, 0)
-        if refs == 0:
-            self._sizes[ptr] = nbytes
-            self.live_bytes += nbytes
-            if self.live_bytes > self.peak_bytes:
-                self.peak_bytes = self.live_bytes
-        self._refs[ptr] = refs + 1
+        with self._lock:
+            refs = self._refs.get(ptr, 0)
+            if refs == 0:
+                self._sizes[ptr] = nbytes
+                self.live_bytes += nbytes
+                if self.live_bytes > self.peak_bytes:
+                    self.peak_bytes = self.live_bytes
+            self._refs[ptr] = refs + 1
 
     def _release(self, ptr: int) -> None:
-        refs = self._refs[ptr] - 1
-        if refs:
-            self._refs[ptr] = refs
-        else:
-            del self._refs[ptr]
-            self.live_bytes -= self._sizes.pop(ptr)
+        with self._lock:
+            refs = self._refs[ptr] - 1
+            if refs:
+                self._refs[ptr] = refs
+            else:
+                del self._refs[ptr]
+                self.live_bytes -= self._sizes.pop(ptr)
 
     def pack(self, t: torch.Tensor) -> object:
         storage = t.untyped_storage()
@@ -127,21 +131,27 @@ class SavedActivationMeter:
 
 @dataclass
 class CommTotals:
-    """Seconds and bytes this rank spent / contributed per comm class during one step."""
+    """Per comm class during one step: ``seconds`` the compute stream waited on the class, ``busy`` seconds its
+    collectives were in flight, and ``nbytes`` this rank contributed. A synchronous collective is waited on for as
+    long as it is in flight (busy = seconds); an asynchronous one is in flight longer than it is waited on."""
 
     seconds: Counter = field(default_factory=Counter)
     nbytes: Counter = field(default_factory=Counter)
+    busy: Counter = field(default_factory=Counter)
 
-    def add(self, comm_class: str, seconds: float, nbytes: int) -> None:
+    def add(self, comm_class: str, seconds: float, nbytes: int, busy_s: float | None = None) -> None:
+        """Add a collective: ``seconds`` waited, ``nbytes`` sent, ``busy_s`` in flight (default: ``seconds``)."""
         self.seconds[comm_class] += seconds
         self.nbytes[comm_class] += nbytes
+        self.busy[comm_class] += seconds if busy_s is None else busy_s
 
     def reset(self) -> None:
         self.seconds.clear()
         self.nbytes.clear()
+        self.busy.clear()
 
 
-def _wait_all(out: object) -> None:
+def wait_all(out: object) -> None:
     """Wait for the ``Work`` handles a c10d op returned (so the op's time includes its completion)."""
     for item in out if isinstance(out, (tuple, list)) else (out,):
         if isinstance(item, torch.ScriptObject):
@@ -176,7 +186,7 @@ class CommMeter(TorchDispatchMode):
             return func(*args, **kwargs)
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
-        _wait_all(out)  # the op only enqueues; the caller's wait would fall outside the timer
+        wait_all(out)  # the op only enqueues; the caller's wait would fall outside the timer
         self.totals.add(self._classify(args, kwargs), time.perf_counter() - t0, 0)
         return out
 
@@ -263,9 +273,21 @@ class RankStep:
     cpu_s: float = field(default_factory=lambda: _PROCESS_CPU()[0])
     """CPU seconds (user + system, all threads) this rank's process used since it built its previous RankStep (since
     the module was imported, for the first): about one step; -1 where unknown (metrics written before the field)."""
+    comm_busy_s: Mapping[str, float] = field(default_factory=dict)
+    """Seconds per comm class that its collectives were in flight (``comm_s`` is the part the compute stream waited
+    for); a class missing here was synchronous: busy = comm_s."""
+    comm_tier_bytes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    """Bytes this rank sent per comm class over each link tier, ``{cls: {"intra": n, "inter": n}}``: the in-layer
+    collectives (tp, ep, cp) as moeplan.runtime.parallel.CommLog counts them (every step); empty in metrics written
+    before the field."""
+
+    def busy_s(self, comm_class: str) -> float:
+        """Seconds ``comm_class``'s collectives were in flight this step."""
+        return self.comm_busy_s.get(comm_class, self.comm_s.get(comm_class, 0.0))
 
 
-ACTION_KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_WAIT", "OPTIMIZER")
+TIERS = ("intra", "inter")
+ACTION_KINDS = ("F", "B", "I", "W", "OVERLAP_F_B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_WAIT", "OPTIMIZER")
 
 
 def rank_step_vector(step: RankStep) -> torch.Tensor:
@@ -275,6 +297,8 @@ def rank_step_vector(step: RankStep) -> torch.Tensor:
     values += [step.action_s.get(k, 0.0) for k in ACTION_KINDS]
     values += [step.comm_s.get(c, 0.0) for c in COMM_CLASSES]
     values += [float(step.comm_bytes.get(c, 0)) for c in COMM_CLASSES]
+    values += [step.busy_s(c) for c in COMM_CLASSES]
+    values += [float(step.comm_tier_bytes.get(c, {}).get(t, 0)) for c in COMM_CLASSES for t in TIERS]
     return torch.tensor(values, dtype=torch.float64)
 
 
@@ -282,11 +306,17 @@ def rank_step_from_vector(v: torch.Tensor) -> RankStep:
     vals = v.tolist()
     a, c = 5, 5 + len(ACTION_KINDS)
     b = c + len(COMM_CLASSES)
+    d = b + len(COMM_CLASSES)
+    e = d + len(COMM_CLASSES)
+    tiers = [vals[e + i * len(TIERS):e + (i + 1) * len(TIERS)] for i in range(len(COMM_CLASSES))]
     return RankStep(rank=int(vals[0]), pp_rank=int(vals[1]), peak_saved_bytes=int(vals[2]),
                     peak_host_bytes=int(vals[3]), cpu_s=vals[4],
                     action_s={k: x for k, x in zip(ACTION_KINDS, vals[a:c]) if x},
                     comm_s={k: x for k, x in zip(COMM_CLASSES, vals[c:b]) if x},
-                    comm_bytes={k: int(x) for k, x in zip(COMM_CLASSES, vals[b:]) if x})
+                    comm_bytes={k: int(x) for k, x in zip(COMM_CLASSES, vals[b:d]) if x},
+                    comm_busy_s={k: x for k, x in zip(COMM_CLASSES, vals[d:e]) if x},
+                    comm_tier_bytes={k: {t: int(x) for t, x in zip(TIERS, v)} for k, v in zip(COMM_CLASSES, tiers)
+                                     if any(v)})
 
 
 @dataclass(frozen=True)
@@ -313,7 +343,8 @@ class StepRecord:
             "tokens_per_s": self.tokens_per_s, "grad_norm": self.grad_norm,
             "host": None if self.host is None else asdict(self.host),
             "ranks": [{"rank": r.rank, "pp_rank": r.pp_rank, "action_s": dict(r.action_s), "comm_s": dict(r.comm_s),
-                       "comm_bytes": dict(r.comm_bytes),
+                       "comm_bytes": dict(r.comm_bytes), "comm_busy_s": dict(r.comm_busy_s),
+                       "comm_tier_bytes": {k: dict(v) for k, v in r.comm_tier_bytes.items()},
                        "peak_saved_bytes": r.peak_saved_bytes if r.peak_saved_bytes >= 0 else None,
                        "peak_host_bytes": r.peak_host_bytes, "cpu_s": r.cpu_s}
                       for r in self.ranks]})
@@ -324,7 +355,8 @@ class StepRecord:
         ranks = tuple(RankStep(rank=r["rank"], pp_rank=r["pp_rank"], action_s=r["action_s"], comm_s=r["comm_s"],
                                comm_bytes=r["comm_bytes"],
                                peak_saved_bytes=-1 if r["peak_saved_bytes"] is None else r["peak_saved_bytes"],
-                               peak_host_bytes=r.get("peak_host_bytes", 0), cpu_s=r.get("cpu_s", -1.0))
+                               peak_host_bytes=r.get("peak_host_bytes", 0), cpu_s=r.get("cpu_s", -1.0),
+                               comm_busy_s=r.get("comm_busy_s", {}), comm_tier_bytes=r.get("comm_tier_bytes", {}))
                       for r in d["ranks"])
         host = d.get("host")
         return StepRecord(step=d["step"], loss=d["loss"], step_time_s=d["step_time_s"],

@@ -57,29 +57,41 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 from moeplan.files import write_atomic
 from moeplan.plan import Plan, load_plan
-from moeplan.runtime.build import LayerDict, build_rank_modules, tp_replicated_params
+from moeplan.runtime.build import LayerDict, build_rank_modules, node_group_ranks, tp_replicated_params
 from moeplan.runtime.checkpoint import load_checkpoint, newest_checkpoint, rank_state, save_checkpoint
 from moeplan.runtime.data import MicroBatch, check_tokens, global_batch, load_tokens, rank_microbatches
-from moeplan.runtime.executor import PipelineExecutor, layer_calls, rank_of
-from moeplan.runtime.groups import ParallelGroups, RankCoords, make_groups
+from moeplan.runtime.expert_parallel import ParallelMoE, ParallelRouter
+from moeplan.runtime.executor import PipelineExecutor, has_pairs, layer_calls, rank_of
+from moeplan.runtime.groups import ParallelGroups, RankCoords, make_groups, make_stream_groups
+from moeplan.runtime.overlap import PairRunner
 from moeplan.runtime.launch import DIST_BACKEND, RunRequest, check_runnable
 from moeplan.runtime.metrics import (CommTotals, RankStep, SavedActivationMeter, StepRecord, rank_step_from_vector,
                                      rank_step_vector)
 from moeplan.runtime.parallel import CommLog, all_gather_flat
-from moeplan.runtime.optimizer import DistributedAdamW, OptimConfig, ReplicatedGrads, TiedGrads, param_entries
+from moeplan.runtime.optimizer import (DistributedAdamW, OptimConfig, ReplicatedGrads, TiedGrads, param_entries,
+                                       synced_after_backward)
 
 #: process-group kind -> comm class of the collectives on it (ParallelGroups fields)
 
 def in_layer_classes(groups: ParallelGroups) -> dict[str, str]:
     """Process-group name -> comm class of the in-layer collectives on it (the p2p and optimizer traffic is tallied
     by the executor and optimizer themselves). ``tp_cp`` carries the micro-batch-wide routing statistics (EP) and
-    ``etp`` the expert-TP gathers (EP), as passes/shard.py prices them; the first class wins for a shared group."""
+    ``etp`` the expert-TP gathers (EP), as passes/shard.py prices them, and the hierarchical and dedup dispatchers'
+    node groups (``expert_inter``, ``expert_intra``; pass :func:`layer_groups`) their exchanges (EP); the first class
+    wins for a shared group."""
     out: dict[str, str] = {}
     for group, cls in ((groups.cp, "cp"), (groups.tp, "tp"), (groups.tp_cp, "ep"), (groups.expert, "ep"),
-                       (groups.etp, "ep")):
+                       (groups.etp, "ep"), (groups.expert_inter, "ep"), (groups.expert_intra, "ep")):
         if group is not None:
             out.setdefault(group.group_name, cls)
     return out
+
+
+def layer_groups(modules: dict[int, LayerDict], groups: ParallelGroups) -> ParallelGroups:
+    """The groups this rank's layers run on: ``groups`` with the expert node groups that build_rank_modules created
+    for the hierarchical and dedup dispatchers (read off its MoE layers; ``groups`` when it has none)."""
+    return next((m.env.groups for layers in modules.values() for m in layers.modules()
+                 if isinstance(m, ParallelMoE)), groups)
 
 
 def device_for(backend: str, local_rank: int) -> torch.device:
@@ -108,24 +120,36 @@ class RankSetup:
     meter: SavedActivationMeter
 
 
-def setup_rank(plan: Plan, request: RunRequest, *, device: torch.device) -> RankSetup:
-    """Collective: groups, this rank's modules (moeplan.runtime.build), executor and optimizer."""
+def setup_rank(plan: Plan, request: RunRequest, *, device: torch.device, aux_loss_coeff: float = 0.0) -> RankSetup:
+    """Collective: groups, this rank's modules (moeplan.runtime.build), executor and optimizer. ``aux_loss_coeff``:
+    the MoE load-balance loss weight (moeplan.models.MoEModel's; 0 there too by default), its gradient scaled like
+    the executor's ``1/num_microbatches`` loss scale."""
     rank, lay = dist.get_rank(), plan.layout
     timeout = timedelta(seconds=request.timeout_s)
     coords, groups = make_groups(lay, rank, timeout=timeout)
-    layer_log = CommLog()
-    modules = build_rank_modules(plan, coords, groups, seed=request.seed, device=device, comm_log=layer_log)
+    layer_log = CommLog(devices_per_node=plan.target.devices_per_node)
+    modules = build_rank_modules(plan, coords, groups, seed=request.seed, device=device, comm_log=layer_log,
+                                 aux_loss_coeff=aux_loss_coeff, aux_loss_scale=1.0 / lay.num_microbatches)
+    if request.force_balanced_routing:  # random router scores, a different stream on every rank
+        torch.manual_seed(request.seed * dist.get_world_size() + rank)
+        for layers in modules.values():
+            for m in layers.modules():
+                if isinstance(m, ParallelRouter):
+                    m.force_balanced = True
     comm = CommTotals()
     dense, expert = param_entries(plan, modules)
-    optimizer = DistributedAdamW(dense=dense, expert=expert, dense_group=groups.dp_cp, expert_group=groups.expert_dp,
-                                 grad_scale=1.0 / lay.dp, config=OptimConfig(lr=request.lr), comm=comm,
-                                 device=device)
     ties = TiedGrads(plan, modules, rank=rank, comm=comm, timeout=timeout)
     replicated = ReplicatedGrads(tp_replicated_params(modules), groups.tp, comm=comm)
+    optimizer = DistributedAdamW(dense=dense, expert=expert, dense_group=groups.dp_cp, expert_group=groups.expert_dp,
+                                 grad_scale=1.0 / lay.dp, config=OptimConfig(lr=request.lr), comm=comm,
+                                 device=device, reduce_at_step=synced_after_backward(replicated, ties))
     meter = SavedActivationMeter([e.param for e in dense + expert])
+    pairs = PairRunner(make_stream_groups(lay, node_group_ranks(plan), timeout=timeout)) if has_pairs(plan) else None
     executor = PipelineExecutor(plan, pp_rank=coords.pp_rank, pp_ranks=groups.pp_ranks, modules=modules, meter=meter,
-                                comm_classes=in_layer_classes(groups), localize=lambda mb: _to(mb, device),
-                                call=layer_calls(plan, coords.pp_rank, meter, modules, device), device=device)
+                                comm_classes=in_layer_classes(layer_groups(modules, groups)),
+                                localize=lambda mb: _to(mb, device),
+                                call=layer_calls(plan, coords.pp_rank, meter, modules, device), device=device,
+                                pairs=pairs, grads_ready=optimizer.grads_ready if "dp" in plan.comm.overlap else None)
     return RankSetup(coords, groups, modules, executor, optimizer, ties, replicated, comm, layer_log, meter)
 
 
@@ -156,6 +180,7 @@ def run_one_step(plan: Plan, setup: RankSetup, tokens: torch.Tensor, step: int, 
     last = rank_of(plan, lay.pp * lay.vpp - 1)  # the PP rank of the last stage (rank 0 under the V placement)
     counts = coords.pp_rank == last and coords.tp_rank == 0 and coords.cp_rank == 0
     mine = RankStep(rank=coords.rank, pp_rank=coords.pp_rank, action_s=dict(times), comm_s=dict(setup.comm.seconds),
+                    comm_busy_s=dict(setup.comm.busy), comm_tier_bytes=setup.layer_log.tier_bytes_by_class(),
                     comm_bytes=dict(setup.comm.nbytes), peak_saved_bytes=setup.meter.peak_bytes if metered else -1,
                     peak_host_bytes=setup.meter.host_peak_bytes)
     extra = torch.tensor([loss_sum / lay.num_microbatches / lay.dp if counts else 0.0, step_s], dtype=torch.float64)
@@ -204,10 +229,11 @@ def _keep_records(path: Path, upto: int) -> None:
 
 
 def train(plan: Plan, request: RunRequest, *, device: torch.device,
-          on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+          on_step: Callable[[StepRecord], None] | None = None, aux_loss_coeff: float = 0.0) -> list[StepRecord]:
     """Run ``request.steps`` steps (fewer when resuming) on this rank; collective over the initialised process
-    group. Returns the records of the steps run; rank 0 appends them to ``request.metrics``."""
-    setup = setup_rank(plan, request, device=device)
+    group. Returns the records of the steps run; rank 0 appends them to ``request.metrics``. ``aux_loss_coeff``:
+    :func:`setup_rank`'s."""
+    setup = setup_rank(plan, request, device=device, aux_loss_coeff=aux_loss_coeff)
     tokens = load_tokens(request.data)
     check_tokens(tokens, vocab_size=plan.model.spec.vocab_size, seq_len=plan.layout.seq_len)
     step_tensor = torch.zeros((), dtype=torch.int64)

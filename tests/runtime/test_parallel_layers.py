@@ -259,8 +259,10 @@ def test_comm_log_counts_the_documented_collectives(world2):
                                                           + decoder_layers + heads)
         assert not any(key.startswith("tp/all_reduce") for key in res["comm_calls"])
         assert res["tp_grad_bytes"] == res["replicated_numel"] * f64 > 0
-        # expert-TP: the tokens and their routing (k gates and k expert ids per token) gathered over etp
-        assert res["comm_bytes"]["ep/all_gather/fwd"] == moe_layers * b * (s // 2) * (h + 2 * k) * f64
+        # expert-TP after the all-to-all (Megatron-LM's order; the expert group is one rank here, so every routed
+        # row stays): per MoE layer the per-expert row counts (int64) and the rank's b·(s/2)·k routed rows gathered
+        # over etp
+        assert res["comm_bytes"]["ep/all_gather/fwd"] == moe_layers * (b * (s // 2) * k * h + TINY.num_experts) * f64
 
 
 def test_dp_ranks_see_different_losses(world2):

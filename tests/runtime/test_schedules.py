@@ -3,7 +3,8 @@ and with the V-shaped stage placement of ZB-V and DualPipeV (rank r holds stages
 the per-step loss matches the single-process run of the same model, seed and data to 1e-4 relative.
 
 One 2-rank gloo job trains every plan in turn; each rank also records the (kind, stage, micro-batch) of every action
-its executor dispatches, which must be its plan's action list with each ``OVERLAP_F_B`` pair as its F then its B.
+its executor dispatches, which must be its plan's action list with each ``OVERLAP_F_B`` pair as its F then its B
+(the pair's halves run overlapped, moeplan.runtime.overlap).
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import torch
 from moeplan.compile import compile_model
 from moeplan.cost_models.timeline import parse_action
 from moeplan.errors import PlanError
-from moeplan.passes.schedule import build_actions
 from moeplan.plan import Plan, PlanSchedule, save_plan
 from moeplan.runtime.build import stage_ids
 from moeplan.runtime.executor import rank_of
@@ -27,7 +27,7 @@ from moeplan.targets import load_target
 
 from test_executor import LR, STEPS, _assert_close, launch_function
 
-#: name -> schedule compiled; ``dualpipev_pairs`` is DualPipeV with its OVERLAP_F_B pairs kept in the action list,
+#: name -> schedule compiled; ``dualpipev_pairs`` is DualPipeV with fb overlap (its OVERLAP_F_B pairs kept),
 #: ``zbv_recompute`` ZB-V with full recompute on PP rank 0 (I and W split) and selective on rank 1 (one-pass I)
 SCHEDULES = {"zero_bubble": "zero-bubble", "zbv": "zbv", "dualpipev": "dualpipev", "dualpipev_pairs": "dualpipev",
              "zbv_recompute": "zbv"}
@@ -35,18 +35,16 @@ SCHEDULES = {"zero_bubble": "zero-bubble", "zbv": "zbv", "dualpipev": "dualpipev
 
 def make_plan(schedule: str, *, pairs: bool = False, recompute: tuple[str, str] | None = None) -> Plan:
     """A tiny-pangu plan on 2 devices, PP 2 × VPP 2, 4 micro-batches of 2 sequences (DualPipeV needs m ≥ 2·pp);
-    ``pairs`` keeps DualPipeV's OVERLAP_F_B pairs, ``recompute`` overrides the mode of each PP rank."""
+    ``pairs``: with ``fb`` overlap (DualPipeV keeps its OVERLAP_F_B pairs), else without; ``recompute`` overrides the
+    mode of each PP rank."""
     plan = compile_model(spec=load_spec("tiny-pangu"), target=load_target("cpu"), num_devices=2,
                          fixed=Fixed(global_batch=8, seq_len=64, pp=2, vpp=2, tp=1, cp=1, micro_batch=2,
-                                     schedule=schedule), workers=1, candidates=1).plan
+                                     schedule=schedule, overlap=frozenset({"fb"} if pairs else ())),
+                         workers=1, candidates=1).plan
     if recompute is not None:
         ranks = [r.model_copy(update={"recompute": mode}) for r, mode in zip(plan.memory.ranks, recompute)]
         plan = plan.model_copy(update={"memory": plan.memory.model_copy(update={"ranks": ranks})})
-    if not pairs:
-        return plan
-    lay = plan.layout
-    actions = build_actions(schedule, pp=lay.pp, vpp=lay.vpp, num_microbatches=lay.num_microbatches, fb=True)
-    return plan.model_copy(update={"schedule": PlanSchedule.of(plan.schedule.kind, actions)})
+    return plan
 
 
 def expected_order(actions: list[str]) -> list[tuple[str, int, int]]:
@@ -71,7 +69,12 @@ def train_and_record(paths: list[str], steps: int, data: str) -> list[tuple[list
         dispatched.append((kind, stage, mb))
         original(self, kind, stage, mb)
 
-    PipelineExecutor._dispatch = record
+    def record_pair(self, f, b) -> None:  # an OVERLAP_F_B pair run overlapped (moeplan.runtime.overlap)
+        dispatched.extend([(f.kind, f.stage, f.microbatch), (b.kind, b.stage, b.microbatch)])
+        original_pair(self, f, b)
+
+    original_pair = PipelineExecutor._overlapped
+    PipelineExecutor._dispatch, PipelineExecutor._overlapped = record, record_pair
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
         out = []
@@ -84,7 +87,7 @@ def train_and_record(paths: list[str], steps: int, data: str) -> list[tuple[list
         return out
     finally:
         dist.destroy_process_group()
-        PipelineExecutor._dispatch = original
+        PipelineExecutor._dispatch, PipelineExecutor._overlapped = original, original_pair
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,141 @@
+"""Running an ``OVERLAP_F_B`` pair: the forward of one micro-batch and the backward of another on one compute
+stream, each one's collectives in flight while the other computes (docs/runtime.md "fb overlap").
+
+The pair's halves run on two host threads — the forward on the caller's, the backward on a worker thread — that
+share ONE compute stream, a token only one of them holds at a time (:class:`ComputeStream`). A half gives the token
+up for as long as one of its collectives is in flight and takes it back afterwards (:class:`StreamMode`, a
+``TorchDispatchMode`` around every ``c10d`` op), so the other half computes meanwhile: compute stays serial, as on
+one device stream, and communication overlaps it wherever the other half has work. This is the effect of
+DeepSeek-V3's DualPipe overlapped chunk (arXiv 2412.19437 §3.2.1) and of Megatron-LM's
+``--overlap-moe-expert-parallel-comm`` / MindSpeed ``--moe-fb-overlap``, which place the switch points by hand at
+the dispatch and combine; here they fall where each half issues a collective.
+
+The backward half runs its collectives on a second set of process groups with the same members
+(moeplan.runtime.groups.StreamGroups, switched per thread by moeplan.runtime.parallel.use_stream_groups), so the two
+halves' collectives never mix on one group whatever order the scheduling gives them on each rank.
+
+Measurement (when ``totals`` is given): per comm class, ``busy`` seconds its collectives were in flight and
+``seconds`` the compute stream idled waiting for them: the stream is idle from the moment its token is given up with
+no half ready to compute, until a half takes it back; that wait is charged to the class of the collective whose
+completion ended it. Idle time that ends with a half starting (thread start-up) is charged to no class.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import ProcessGroup
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moeplan.runtime.groups import StreamGroups
+from moeplan.runtime.metrics import CommTotals, wait_all
+from moeplan.runtime.parallel import use_stream_groups
+
+
+class ComputeStream:
+    """The one compute stream the two halves of a pair share (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._owner: int | None = None
+        self._waiting = 0
+        self._idle_since: float | None = None
+        self.totals: CommTotals | None = None
+
+    def acquire(self, comm_class: str | None = None) -> None:
+        """Take the stream, after a collective of ``comm_class`` completed (None: at the start of a half)."""
+        with self._cv:
+            if self._owner is None and self._idle_since is not None:
+                if comm_class is not None and self.totals is not None:
+                    self.totals.seconds[comm_class] += time.perf_counter() - self._idle_since
+                self._idle_since = None
+            self._waiting += 1
+            while self._owner is not None:
+                self._cv.wait()
+            self._waiting -= 1
+            self._owner = threading.get_ident()
+
+    def release(self) -> None:
+        """Give the stream up (a collective starts, or the half ended)."""
+        with self._cv:
+            self._owner = None
+            if self._waiting == 0:
+                self._idle_since = time.perf_counter()
+            self._cv.notify()
+
+
+class StreamMode(TorchDispatchMode):
+    """Gives the compute stream up around every ``c10d`` op the current half issues and records the op's in-flight
+    time under its comm class (the group's members looked up in ``classes``; ``other`` when absent)."""
+
+    def __init__(self, stream: ComputeStream, classes: dict[tuple[int, ...], str]) -> None:
+        super().__init__()
+        self.stream, self.classes = stream, classes
+
+    def _classify(self, args: tuple, kwargs: dict) -> str:
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.ScriptObject):
+                try:
+                    group = ProcessGroup.unbox(a)
+                except (RuntimeError, TypeError):
+                    continue
+                return self.classes.get(tuple(sorted(dist.get_process_group_ranks(group))), "other")
+        return "other"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace not in ("c10d", "_c10d_functional"):
+            return func(*args, **kwargs)
+        cls = self._classify(args, kwargs)
+        self.stream.release()
+        t0 = time.perf_counter()
+        try:
+            out = func(*args, **kwargs)
+            wait_all(out)
+        finally:
+            busy = time.perf_counter() - t0
+            self.stream.acquire(cls)
+        if self.stream.totals is not None:
+            self.stream.totals.busy[cls] += busy
+        return out
+
+
+class PairRunner:
+    """Runs the two halves of ``OVERLAP_F_B`` pairs (see the module docstring); one per executor, its worker thread
+    kept for the run. ``groups``: the backward half's process groups."""
+
+    def __init__(self, groups: StreamGroups) -> None:
+        self.groups = groups
+        self._classes = dict(groups.classes)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeplan-fb",
+                                        initializer=use_stream_groups, initargs=(groups.clones,))
+
+    def run(self, forward: Callable[[], None], backward: Callable[[], None], *,
+            totals: CommTotals | None = None) -> None:
+        """Run ``forward`` here and ``backward`` on the worker thread on one :class:`ComputeStream`; return when both
+        are done (an exception from either is raised here). ``totals``: where the pair's comm figures go (None: not
+        recorded)."""
+        stream = ComputeStream()
+        stream.totals = totals
+        mode = StreamMode(stream, self._classes)
+
+        def half(fn: Callable[[], None]) -> None:
+            stream.acquire()
+            try:
+                with mode:
+                    fn()
+            finally:
+                stream.release()
+
+        future = self._pool.submit(half, backward)
+        try:
+            half(forward)
+        finally:
+            future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
