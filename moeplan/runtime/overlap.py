@@ -3,8 +3,8 @@ stream, each one's collectives in flight while the other computes (docs/runtime.
 
 The pair's halves run on two host threads — the forward on the caller's, the backward on a worker thread — that
 share ONE compute stream, a token only one of them holds at a time (:class:`ComputeStream`). A half gives the token
-up for as long as one of its collectives is in flight and takes it back afterwards (:class:`StreamMode`, a
-``TorchDispatchMode`` around every ``c10d`` op), so the other half computes meanwhile: compute stays serial, as on
+up for as long as one of its collectives is in flight and takes it back afterwards (a hook around every collective
+of moeplan.runtime.parallel, which all in-layer collectives go through), so the other half computes meanwhile: compute stays serial, as on
 one device stream, and communication overlaps it wherever the other half has work. This is the effect of
 DeepSeek-V3's DualPipe overlapped chunk (arXiv 2412.19437 §3.2.1) and of Megatron-LM's
 ``--overlap-moe-expert-parallel-comm`` / MindSpeed ``--moe-fb-overlap``, which place the switch points by hand at
@@ -24,16 +24,13 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Mapping
 
-import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import ProcessGroup
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeplan.runtime.groups import StreamGroups
-from moeplan.runtime.metrics import CommTotals, wait_all
-from moeplan.runtime.parallel import use_stream_groups
+from moeplan.runtime.metrics import CommTotals
+from moeplan.runtime.parallel import use_comm_hook, use_stream_groups
 
 
 class ComputeStream:
@@ -68,40 +65,25 @@ class ComputeStream:
             self._cv.notify()
 
 
-class StreamMode(TorchDispatchMode):
-    """Gives the compute stream up around every ``c10d`` op the current half issues and records the op's in-flight
-    time under its comm class (the group's members looked up in ``classes``; ``other`` when absent)."""
+class _Half:
+    """The collective hook (moeplan.runtime.parallel.use_comm_hook) of one half of a pair: gives the compute stream
+    up while the collective is in flight and records its in-flight time under its comm class (the group's members
+    looked up in ``classes``; ``other`` when absent)."""
 
-    def __init__(self, stream: ComputeStream, classes: dict[tuple[int, ...], str]) -> None:
-        super().__init__()
+    def __init__(self, stream: ComputeStream, classes: Mapping[tuple[int, ...], str]) -> None:
         self.stream, self.classes = stream, classes
 
-    def _classify(self, args: tuple, kwargs: dict) -> str:
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, torch.ScriptObject):
-                try:
-                    group = ProcessGroup.unbox(a)
-                except (RuntimeError, TypeError):
-                    continue
-                return self.classes.get(tuple(sorted(dist.get_process_group_ranks(group))), "other")
-        return "other"
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace not in ("c10d", "_c10d_functional"):
-            return func(*args, **kwargs)
-        cls = self._classify(args, kwargs)
+    def __call__(self, group: dist.ProcessGroup, run: Callable[[], object]) -> None:
+        cls = self.classes.get(tuple(sorted(dist.get_process_group_ranks(group))), "other")
         self.stream.release()
         t0 = time.perf_counter()
         try:
-            out = func(*args, **kwargs)
-            wait_all(out)
+            run()
         finally:
             busy = time.perf_counter() - t0
             self.stream.acquire(cls)
         if self.stream.totals is not None:
             self.stream.totals.busy[cls] += busy
-        return out
 
 
 class PairRunner:
@@ -110,7 +92,6 @@ class PairRunner:
 
     def __init__(self, groups: StreamGroups) -> None:
         self.groups = groups
-        self._classes = dict(groups.classes)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeplan-fb",
                                         initializer=use_stream_groups, initargs=(groups.clones,))
 
@@ -121,14 +102,15 @@ class PairRunner:
         recorded)."""
         stream = ComputeStream()
         stream.totals = totals
-        mode = StreamMode(stream, self._classes)
+        hook = _Half(stream, self.groups.classes)
 
         def half(fn: Callable[[], None]) -> None:
             stream.acquire()
+            use_comm_hook(hook)
             try:
-                with mode:
-                    fn()
+                fn()
             finally:
+                use_comm_hook(None)
                 stream.release()
 
         future = self._pool.submit(half, backward)

@@ -60,6 +60,21 @@ def use_stream_groups(clones: Mapping[tuple[int, ...], dist.ProcessGroup] | None
     _STREAM.clones, _STREAM.cache = clones, {}
 
 
+def use_comm_hook(hook: Callable[[dist.ProcessGroup, Callable[[], object]], None] | None) -> None:
+    """From now on in this thread, run every collective of this module as ``hook(group, run)`` (``run`` issues it
+    and returns once it completed; moeplan.runtime.overlap gives the compute stream up around it); None: directly."""
+    _STREAM.hook = hook
+
+
+def _collective(group: dist.ProcessGroup, run: Callable[[], object]) -> None:
+    """Issue one collective on ``group`` and wait for it, through this thread's hook (:func:`use_comm_hook`)."""
+    hook = getattr(_STREAM, "hook", None)
+    if hook is None:
+        run()
+    else:
+        hook(group, run)
+
+
 def _pg(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """The group this thread runs ``group``'s collectives on (:func:`stream_groups`)."""
     clones = getattr(_STREAM, "clones", None)
@@ -84,7 +99,7 @@ def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor
     group = _pg(group)
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((group_size(group) * front.shape[0], *front.shape[1:]))
-    all_gather_flat(out, front, group=group)
+    _collective(group, lambda: all_gather_flat(out, front, group=group))
     return out.movedim(0, dim).contiguous()
 
 
@@ -94,13 +109,14 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torc
     world = group_size(group)
     assert front.shape[0] % world == 0, f"reduce-scatter of {front.shape[0]} rows over {world} ranks"
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
-    reduce_scatter_flat(out, front, op=dist.ReduceOp.SUM, group=group)
+    _collective(group, lambda: reduce_scatter_flat(out, front, op=dist.ReduceOp.SUM, group=group))
     return out.movedim(0, dim).contiguous()
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_pg(group))
+    group = _pg(group)
+    _collective(group, lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group))
     return out
 
 
@@ -254,7 +270,9 @@ class _ValueAllReduce(torch.autograd.Function):
 def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=_pg(group))
+    group = _pg(group)
+    _collective(group, lambda: dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send,
+                                                      group=group))
     return out
 
 
@@ -317,8 +335,9 @@ class _AllToAllStart(torch.autograd.Function):
         link.record("all_to_all", "fwd", x, send)
         pending.input = x.contiguous()  # kept alive until the exchange is waited for
         out = x.new_empty((sum(recv), *x.shape[1:]))
+        pending.group = _pg(link.group)
         pending.work = dist.all_to_all_single(out, pending.input, output_split_sizes=recv, input_split_sizes=send,
-                                              group=_pg(link.group), async_op=True)
+                                              group=pending.group, async_op=True)
         return out
 
     @staticmethod
@@ -330,6 +349,7 @@ class _AllToAllStart(torch.autograd.Function):
 class _Pending:
     """An all-to-all in flight (:func:`all_to_all_async`)."""
 
+    group: dist.ProcessGroup
     work: dist.Work
     input: torch.Tensor
 
@@ -346,7 +366,7 @@ def all_to_all_async(x: torch.Tensor, send: list[int], recv: list[int], link: Li
     out = _AllToAllStart.apply(x, send, recv, link, pending)
 
     def wait() -> torch.Tensor:
-        pending.work.wait()
+        _collective(pending.group, pending.work.wait)
         del pending.input
         return out
 
@@ -414,7 +434,8 @@ def exchange_counts(counts: torch.Tensor, link: Link) -> torch.Tensor:
         return counts.clone()
     link.record("all_to_all", "fwd", counts)
     out = torch.empty_like(counts)
-    dist.all_to_all_single(out.view(-1), counts.contiguous().view(-1), group=_pg(link.group))
+    group = _pg(link.group)
+    _collective(group, lambda: dist.all_to_all_single(out.view(-1), counts.contiguous().view(-1), group=group))
     return out
 
 
