@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from cli_runs import moeplan_cli
 
 LAYOUTS: dict[str, tuple[str, ...]] = {
     "1dev-mb1": ("--devices", "1", "--tp", "1", "--pp", "1", "--ep", "1", "--micro-batch", "1"),
@@ -39,21 +39,13 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _cli(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "moeplan.cli", *args], capture_output=True,
-                          text=True)
-    if proc.returncode:
-        sys.exit(f"moeplan {' '.join(args[:2])} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
-    return proc.stdout
-
-
 def measure(name: str, *, target: str, steps: int, workdir: Path) -> dict:
     """Compile, run and compare one layout; the comparison's step time and peak saved activations."""
     plan, metrics = workdir / f"{name}.yaml", workdir / f"{name}.jsonl"
-    _cli("compile", "tiny-pangu", "--target", target, "--global-batch", "8", "--seq-len", "64", *LAYOUTS[name],
+    moeplan_cli("compile", "tiny-pangu", "--target", target, "--global-batch", "8", "--seq-len", "64", *LAYOUTS[name],
          "-o", str(plan))
-    _cli("run", str(plan), "--steps", str(steps), "--meter-every", "5", "--metrics", str(metrics))
-    rows = {r["quantity"]: r for r in json.loads(_cli("compare", str(plan), str(metrics), "--json"))}
+    moeplan_cli("run", str(plan), "--steps", str(steps), "--meter-every", "5", "--metrics", str(metrics))
+    rows = {r["quantity"]: r for r in json.loads(moeplan_cli("compare", str(plan), str(metrics), "--json"))}
     from moeplan.plan import load_plan
 
     p = load_plan(plan)

@@ -25,10 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from cli_runs import moeplan_cli
 
 LAYOUTS: dict[str, tuple[str, ...]] = {
     "dp2-pp2-vpp2": ("--devices", "4", "--tp", "1", "--cp", "1", "--ep", "1", "--pp", "2", "--vpp", "2",
@@ -37,20 +38,12 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _cli(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "moeplan.cli", *args], capture_output=True,
-                          text=True)
-    if proc.returncode:
-        sys.exit(f"moeplan {' '.join(args[:2])} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
-    return proc.stdout
-
-
 def measure(name: str, overlap: str, *, target: str, steps: int, warmup: int, workdir: Path) -> dict:
     """Compile and run one layout with ``--overlap overlap``; the medians of its measured DP and step seconds."""
     plan, metrics = workdir / f"{name}-{overlap}.yaml", workdir / f"{name}-{overlap}.jsonl"
-    _cli("compile", "tiny-pangu", "--target", target, "--global-batch", "8", "--seq-len", "64", *LAYOUTS[name],
+    moeplan_cli("compile", "tiny-pangu", "--target", target, "--global-batch", "8", "--seq-len", "64", *LAYOUTS[name],
          "--overlap", overlap, "-o", str(plan))
-    _cli("run", str(plan), "--steps", str(steps), "--metrics", str(metrics))
+    moeplan_cli("run", str(plan), "--steps", str(steps), "--metrics", str(metrics))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     kept = records[warmup:]
 

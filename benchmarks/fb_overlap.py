@@ -19,18 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-
-def _cli(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "moeplan.cli", *args], capture_output=True,
-                          text=True)
-    if proc.returncode:
-        sys.exit(f"moeplan {' '.join(args[:2])} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
-    return proc.stdout
+from cli_runs import moeplan_cli
 
 
 def measure(overlap: str, *, target: str, steps: int, warmup: int, seq_len: int, workdir: Path) -> dict:
@@ -39,10 +31,10 @@ def measure(overlap: str, *, target: str, steps: int, warmup: int, seq_len: int,
     from moeplan.runtime.compare import read_records
 
     plan_path, metrics = workdir / f"{overlap}.yaml", workdir / f"{overlap}.jsonl"
-    _cli("compile", "tiny-pangu", "--target", target, "--devices", "2", "--tp", "1", "--pp", "1", "--ep", "2",
+    moeplan_cli("compile", "tiny-pangu", "--target", target, "--devices", "2", "--tp", "1", "--pp", "1", "--ep", "2",
          "--micro-batch", "1", "--global-batch", "8", "--seq-len", str(seq_len), "--schedule", "1f1b",
          "--dispatcher", "flat", "--overlap", overlap, "-o", str(plan_path))
-    _cli("run", str(plan_path), "--steps", str(steps), "--meter-every", "1", "--metrics", str(metrics))
+    moeplan_cli("run", str(plan_path), "--steps", str(steps), "--meter-every", "1", "--metrics", str(metrics))
     plan = load_plan(plan_path)
     records = [r for r in read_records(metrics) if r.step > warmup]
     ep = statistics.median(statistics.mean(rank.comm_s.get("ep", 0.0) for rank in r.ranks) for r in records)
