@@ -396,7 +396,8 @@ def calibrate_cmd(target: str = typer.Option("cpu", "--target", help="base targe
     from pathlib import Path
 
     from moeplan.errors import TargetError
-    from moeplan.runtime.calibrate import calibrate, calibrated_target, fit_launch_scale, write_target
+    from moeplan.runtime.calibrate import (calibrate, calibrated_target, fit_launch_scale, fit_summary,
+                                           scaled_target, write_target)
     from moeplan.spec import load_spec
     from moeplan.targets import load_target
 
@@ -408,10 +409,8 @@ def calibrate_cmd(target: str = typer.Option("cpu", "--target", help="base targe
     tgt = calibrated_target(base, cal, name=name or Path(output).stem)
     fit = fit_launch_scale(spec, tgt) if spec is not None else None
     if fit is not None:
-        tgt = calibrated_target(base, cal, name=tgt.name, launch_scale=fit.scale)
-        out.print(f"launch costs x {fit.scale:.2f}: a 1-device {fit_model} step measured "
-                  f"{fit.measured_step_s * 1e3:.1f} ms, predicted {fit.predicted_step_s_at_0 * 1e3:.1f} ms without "
-                  f"launch costs and {fit.predicted_step_s_at_1 * 1e3:.1f} ms with the measured ones")
+        tgt = scaled_target(tgt, fit.forward_scale, fit.backward_scale)
+        out.print(fit_summary(fit, fit_model or ""))
     write_target(tgt, cal, output, fit=fit, fit_model=fit_model or "")
     if as_json:
         out.print_json(json.dumps(tgt.model_dump(mode="json")))

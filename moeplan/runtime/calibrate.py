@@ -39,17 +39,20 @@ repeats after a warm-up (the median is used for the gloo figures):
   ``t_op − volume·S/B = steps·α + L``, each at least 0, :func:`fit_alpha_launch`) for the link fields. It is a
   property of the machine, measured once and used for every layout (no per-layout factor).
 
-Optionally (``fit_model``) the FORWARD launch costs (``forward_kernel_s``, and the per-op ``matmul_s`` /
-``other_s`` of the ``"op"`` granularity) are then scaled by one factor ``k`` fitted to a measured 1-device
-``moeplan run`` of that model (``global_batch`` sequences in micro-batches of 1: the runtime's executor, parallel
-layers and ZeRO-1 AdamW, median of steps 5–39 as ``moeplan compare`` takes it): the compiler's prediction for that
-layout is linear in ``k`` (``T(k) = T(0) + k·(T(1) − T(0))``), so ``k = (T_measured − T(0)) / (T(1) − T(0))``.
-Rationale: the backward of an eager step runs in the autograd engine (C++), so its per-kernel cost is the multiply
-chain's whatever the model; the forward runs the runtime's Python code between kernels (module calls, reshapes,
-routing, the executor's per-layer dispatch), which a one-line chain does not have — on tiny-pangu the measured
-forward is ≈7 µs per aten kernel against ≈3.2 µs for the chain, the backward ≈3.9 µs against ≈3.9 µs. The fit is
-one calibration of the machine with that model family's runtime code, used for every layout; its layout is reported
-as the fit point, not as a prediction.
+Optionally (``fit_model``) the launch costs are then scaled by two factors fitted to a measured 1-device ``moeplan
+run`` of that model (``global_batch`` sequences in micro-batches of 1: the runtime's executor, parallel layers and
+ZeRO-1 AdamW; the medians over steps 5–39 of the F and of the B seconds per step its metrics record): ``k_f`` on the
+forward costs (``forward_kernel_s``, and the per-op ``matmul_s`` / ``other_s`` of the ``"op"`` granularity) so that
+the predicted F seconds equal the measured ones, then, with ``k_f`` in place, ``k_b`` on ``backward_kernel_s`` so
+that the predicted B seconds do. Each prediction is linear in its factor (``T(k) = T(0) + k·(T(1) − T(0))``, so
+``k = (T_measured − T(0)) / (T(1) − T(0))``). Rationale: the chain measures the bare cost per aten kernel, while a
+training step also runs the runtime's Python code between kernels (module calls, reshapes, routing, the executor's
+per-layer dispatch) in the forward and its autograd nodes (views, reshapes, the custom autograd functions of the
+parallel layers) in the backward. Fitting the forward alone puts the whole overhead into F: on tiny-pangu it
+predicted F 224 ms and B 91 ms per step where the run measured F 172 ms and B 165 ms, so every schedule that
+overlaps or reorders F and B (1F1B's steady state, interleaving, zero-bubble's I/W split, fb pairs) was priced with
+the wrong shape. The fit is one calibration of the machine with that model family's runtime code, used for every
+layout; its layout is reported as the fit point, not as a prediction.
 
 The file keeps the base target's other fields (node size, memory), sets every efficiency to 1 (the figures are
 achieved rates) and is written atomically; ``moeplan compile ... --target FILE`` loads it.
@@ -328,35 +331,39 @@ def calibrate() -> Calibration:
                        all_reduce_s=reduce, loaded_s=loaded)
 
 
-def calibrated_target(base: Target, cal: Calibration, *, name: str, launch_scale: float = 1.0) -> Target:
+def calibrated_target(base: Target, cal: Calibration, *, name: str) -> Target:
     """``base`` with the measured figures (every efficiency 1: they are achieved rates), ``"kernel"`` launch
-    granularity and ``fp32`` training; the forward launch costs times ``launch_scale`` (:func:`fit_launch_scale`)."""
+    granularity and ``fp32`` training."""
     link, collective_s = cal.comm_link()
     return base.model_copy(update=dict(
         name=name, cube_flops=cal.cube_flops, vector_flops=cal.vector_flops,
         hbm_bandwidth_bytes_per_s=cal.memory_bytes_per_s, host_bandwidth_bytes_per_s=cal.memory_bytes_per_s,
         intra_node=link, inter_node=link, efficiency=Efficiency(compute=1.0, memory=1.0, comm=1.0),
-        launch=LaunchCost(matmul_s=cal.launch_matmul_s * launch_scale, other_s=cal.launch_other_s * launch_scale,
+        launch=LaunchCost(matmul_s=cal.launch_matmul_s, other_s=cal.launch_other_s,
                           collective_s=collective_s, collective_latency_s=cal.collective_latency_s(),
                           granularity="kernel",
-                          forward_kernel_s=cal.forward_kernel_s * launch_scale,
+                          forward_kernel_s=cal.forward_kernel_s,
                           backward_kernel_s=cal.backward_kernel_s),
         training_dtype="fp32", variant=None))
 
 
 @dataclass(frozen=True)
 class LaunchFit:
-    """The fitted launch scale ``k`` and its inputs: measured and predicted (k = 0, k = 1) step seconds."""
+    """The fitted forward and backward launch scales and their inputs: the measured F and B seconds per step of the
+    fit run, and the predicted ones with each scale at 0 and at 1."""
 
-    scale: float
-    measured_step_s: float
-    predicted_step_s_at_0: float
-    predicted_step_s_at_1: float
+    forward_scale: float
+    backward_scale: float
+    measured_f_s: float
+    measured_b_s: float
+    predicted_f_s: tuple[float, float]
+    predicted_b_s: tuple[float, float]
 
 
-def measure_runtime_step_s(plan: Plan, *, steps: int = FIT_STEPS, first_step: int = 5) -> float:
-    """Median seconds per step (steps ``first_step..steps-1``, as ``moeplan compare`` takes them) of ``moeplan run``
-    executing ``plan`` on this machine: the runtime's own processes, executor and optimizer, meters off."""
+def measure_runtime_actions_s(plan: Plan, *, steps: int = FIT_STEPS, first_step: int = 5) -> tuple[float, float]:
+    """The F and B seconds per step of ``moeplan run`` executing the 1-device ``plan`` on this machine (the
+    runtime's own process, executor and optimizer, meters off): the medians over steps ``first_step..steps-1`` of
+    the per-step sums the metrics record (``action_s``), as ``moeplan compare`` takes them."""
     from moeplan.plan import save_plan
     from moeplan.runtime.compare import read_records
     from moeplan.runtime.launch import RunRequest, launch_local
@@ -365,31 +372,62 @@ def measure_runtime_step_s(plan: Plan, *, steps: int = FIT_STEPS, first_step: in
         path, metrics = os.path.join(tmp, "plan.yaml"), os.path.join(tmp, "run.jsonl")
         save_plan(plan, path)
         launch_local(plan, RunRequest(plan=path, steps=steps, metrics=metrics, meter_every=steps + 1))
-        records = read_records(metrics)
-    return statistics.median(r.step_time_s for r in records if r.step >= first_step)
+        records = [r for r in read_records(metrics) if r.step >= first_step]
+    return tuple(statistics.median(r.ranks[0].action_s.get(kind, 0.0) for r in records)  # type: ignore[return-value]
+                 for kind in ("F", "B"))
+
+
+def predicted_actions_s(plan: Plan) -> tuple[float, float]:
+    """The F and B seconds per step a 1-device ``plan`` predicts (moeplan.runtime.compare.predicted_rank)."""
+    from moeplan.runtime.compare import predicted_rank
+
+    pred = predicted_rank(plan, 0)
+    return pred.get("F", 0.0), pred.get("B", 0.0)
 
 
 def fit_launch_scale(spec: ModelSpec, target: Target) -> LaunchFit:
-    """Fit the forward launch-cost scale of ``target`` to a measured 1-device ``moeplan run`` step of ``spec``
-    (micro-batches of 1, the spec's global batch and sequence length; module docstring)."""
+    """Fit the forward and backward launch-cost scales of ``target`` to a measured 1-device ``moeplan run`` of
+    ``spec`` (micro-batches of 1, the spec's global batch and sequence length; module docstring): the forward scale
+    to the measured F seconds per step, then, with it, the backward scale to the measured B seconds."""
     from moeplan.compile import compile_model
     from moeplan.search import Fixed
 
     fixed = Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len, tp=1, pp=1, vpp=1, ep=1, etp=1, cp=1,
                   micro_batch=1)
 
-    def compiled(scale: float) -> Plan:
-        launch = target.launch.model_copy(update=dict(
-            matmul_s=target.launch.matmul_s * scale, other_s=target.launch.other_s * scale,
-            forward_kernel_s=target.launch.forward_kernel_s * scale))
-        return compile_model(spec=spec, target=target.model_copy(update=dict(launch=launch)), num_devices=1,
+    def compiled(forward: float, backward: float) -> Plan:
+        return compile_model(spec=spec, target=scaled_target(target, forward, backward), num_devices=1,
                              fixed=fixed, workers=1, candidates=1).plan
 
-    plan = compiled(1.0)
-    measured = measure_runtime_step_s(plan)
-    at0, at1 = compiled(0.0).prediction.step_time_s, plan.prediction.step_time_s
-    return LaunchFit(scale=max(0.0, (measured - at0) / (at1 - at0)), measured_step_s=measured,
-                     predicted_step_s_at_0=at0, predicted_step_s_at_1=at1)
+    def linear(measured: float, at0: float, at1: float) -> float:
+        return max(0.0, (measured - at0) / (at1 - at0)) if at1 > at0 else 1.0
+
+    f_meas, b_meas = measure_runtime_actions_s(compiled(1.0, 1.0))
+    f0, f1 = predicted_actions_s(compiled(0.0, 1.0))[0], predicted_actions_s(compiled(1.0, 1.0))[0]
+    kf = linear(f_meas, f0, f1)
+    b0, b1 = predicted_actions_s(compiled(kf, 0.0))[1], predicted_actions_s(compiled(kf, 1.0))[1]
+    return LaunchFit(forward_scale=kf, backward_scale=linear(b_meas, b0, b1), measured_f_s=f_meas,
+                     measured_b_s=b_meas, predicted_f_s=(f0, f1), predicted_b_s=(b0, b1))
+
+
+def scaled_target(target: Target, forward: float, backward: float) -> Target:
+    """``target`` with its forward launch costs (``forward_kernel_s`` and the ``"op"`` granularity's ``matmul_s`` /
+    ``other_s``) times ``forward`` and ``backward_kernel_s`` times ``backward``."""
+    launch = target.launch.model_copy(update=dict(
+        matmul_s=target.launch.matmul_s * forward, other_s=target.launch.other_s * forward,
+        forward_kernel_s=target.launch.forward_kernel_s * forward,
+        backward_kernel_s=target.launch.backward_kernel_s * backward))
+    return target.model_copy(update=dict(launch=launch))
+
+
+def fit_summary(fit: LaunchFit, model: str) -> str:
+    """One line: the fitted scales and what they were fitted to (milliseconds per step)."""
+    ms = 1e3
+    return (f"launch costs: forward x {fit.forward_scale:.2f}, backward x {fit.backward_scale:.2f}, fitted to a "
+            f"measured 1-device {model} step's F {fit.measured_f_s * ms:.1f} ms and B {fit.measured_b_s * ms:.1f} ms "
+            f"(predicted F {fit.predicted_f_s[0] * ms:.1f} / {fit.predicted_f_s[1] * ms:.1f} ms and B "
+            f"{fit.predicted_b_s[0] * ms:.1f} / {fit.predicted_b_s[1] * ms:.1f} ms without / with the measured "
+            f"launch costs)")
 
 
 def write_target(target: Target, cal: Calibration, path: str | Path, *, fit: LaunchFit | None = None,
@@ -408,9 +446,7 @@ def write_target(target: Target, cal: Calibration, path: str | Path, *, fit: Lau
              f"#   gloo 2 ranks, {LOADED_BYTES} B between compute bursts (launch.collective_latency_s, less the "
              "transfer time): " + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in sorted(cal.loaded_s.items()))]
     if fit is not None:
-        lines.append(f"# forward launch costs x {fit.scale:.2f}, fitted to a measured 1-device {fit_model} step of "
-                     f"{fit.measured_step_s * 1e3:.1f} ms (predicted {fit.predicted_step_s_at_0 * 1e3:.1f} ms "
-                     f"without launch costs, {fit.predicted_step_s_at_1 * 1e3:.1f} ms with the measured ones)")
+        lines.append(f"# {fit_summary(fit, fit_model)}")
     data = target.model_dump(mode="json", exclude={"variant"})
     text = "\n".join(lines) + "\n" + yaml.safe_dump(data, sort_keys=False)
     write_atomic(path, text)
