@@ -13,8 +13,8 @@ Usage::
     python benchmarks/cpu_prediction.py --target cal.yaml [--steps 40] [--only pp2,dp2] [--workdir DIR]
 
 Timings are only meaningful on a quiet machine: each emulated device is one single-threaded process. With
-``--fit-model tiny-pangu`` the calibration's forward and backward launch scales are fitted on ``1dev-mb1`` (a 1-device run of the same
-model and batch), so that row is the fit point, not a prediction.
+``--fit-model tiny-pangu`` the calibration's forward and backward launch scales are fitted on ``1dev-mb1`` (a
+1-device run of the same model and batch), so that row is the fit point, not a prediction.
 """
 from __future__ import annotations
 
