@@ -38,6 +38,15 @@ repeats after a warm-up (the median is used for the gloo figures):
   all-gather and ≈0.85 ms for an all-to-all of 16 KiB here). α and L are still fitted (least squares of
   ``t_op − volume·S/B = steps·α + L``, each at least 0, :func:`fit_alpha_launch`) for the link fields. It is a
   property of the machine, measured once and used for every layout (no per-layout factor).
+- ``comm_compute_slowdown`` (what a collective in flight costs the compute beside it): the same loop with the
+  all-to-all posted asynchronously (``async_op=True``) before each burst and waited after it — the runtime's
+  asynchronous collectives (the shared experts beside the dispatch, the fb pairs, the DP reduce-scatters) — and its
+  extra period over the bare bursts, E, measured in the same rounds. The simulator charges a compute segment
+  ``comm_compute_slowdown`` × the time it overlaps a collective in flight (cost_models/timeline.py): with the
+  all-to-all priced at its loaded cost L and the burst longer than L, that is ``σ·L``, so ``σ = E / L``. On 2
+  ranks over 2 cores gloo's transport threads take their CPU time from the ranks' compute: measured here E ≈
+  0.4–0.5 ms against L ≈ 1.0 ms (σ ≈ 0.4–0.5) after 0.9 ms bursts, and ≈ 0.5–0.57 ms against 1.2–1.4 ms after
+  2.5–3.4 ms bursts, so an asynchronous collective hides about half its cost, not all of it.
 
 Optionally (``fit_model``) the launch costs are then scaled by two factors fitted to a measured 1-device ``moeplan
 run`` of that model (``global_batch`` sequences in micro-batches of 1: the runtime's executor, parallel layers and
@@ -106,10 +115,18 @@ class Calibration:
     p2p_s: dict[int, float]
     all_reduce_s: dict[int, float]
     loaded_s: dict[str, float]
+    async_all_to_all_s: float
 
     @property
     def cube_flops(self) -> float:
         return self.matmul_flops[max(self.matmul_flops)]
+
+    @property
+    def comm_compute_slowdown(self) -> float:
+        """σ = E / L (module docstring): the extra period of an asynchronous all-to-all beside a compute burst over
+        its loaded blocking cost, capped at the target's bound of 10."""
+        blocking = self.loaded_s["all_to_all"]
+        return min(10.0, self.async_all_to_all_s / blocking) if blocking > 0 else 0.0
 
     def comm_link(self) -> tuple[Link, float]:
         """(α–β link, launch.collective_s): B from the idle large messages, α and L fitted to the loaded small
@@ -281,7 +298,8 @@ def _comm_op(op: str, rank: int, buf: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _loaded_period_s(op: str | None, rank: int) -> float:
-    """Seconds per iteration of ``LOADED_ITERS`` iterations of a burst (+ one ``op``), both ranks in step."""
+    """Seconds per iteration of ``LOADED_ITERS`` iterations of a burst (+ one ``op``), both ranks in step. ``op``
+    ``"async_all_to_all"``: an all-to-all posted before the burst and waited after it."""
     import torch.distributed as dist
 
     x, w = torch.randn(64, 64), torch.randn(64, 128)
@@ -289,6 +307,11 @@ def _loaded_period_s(op: str | None, rank: int) -> float:
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(LOADED_ITERS):
+        if op == "async_all_to_all":
+            work = dist.all_to_all_single(out, buf, async_op=True)
+            _burst(x, w)
+            work.wait()
+            continue
         _burst(x, w)
         if op is not None:
             _comm_op(op, rank, buf, out)
@@ -297,13 +320,13 @@ def _loaded_period_s(op: str | None, rank: int) -> float:
 
 def measure_loaded_gloo(rank: int) -> dict[str, float]:
     """Effective seconds per message of each op of ``LOADED_OPS`` (``LOADED_BYTES`` per rank) while both ranks
-    compute (module docstring): the median over ``LOADED_REPEATS`` rounds of (period with the op − period without
-    it, measured right before), so slow drifts of the machine cancel. Call on both ranks of an initialised 2-rank
-    gloo group, one thread each."""
+    compute, and of ``"async_all_to_all"`` (posted before the burst, waited after; module docstring): the median
+    over ``LOADED_REPEATS`` rounds of (period with the op − period without it, measured right before), so slow
+    drifts of the machine cancel. Call on both ranks of an initialised 2-rank gloo group, one thread each."""
     _loaded_period_s(None, rank)  # warm-up
-    diffs: dict[str, list[float]] = {op: [] for op in LOADED_OPS}
+    diffs: dict[str, list[float]] = {op: [] for op in (*LOADED_OPS, "async_all_to_all")}
     for _ in range(LOADED_REPEATS):
-        for op in LOADED_OPS:
+        for op in diffs:
             base = _loaded_period_s(None, rank)
             diffs[op].append(_loaded_period_s(op, rank) - base)
     per_iter = {"p2p": 2}
@@ -312,7 +335,7 @@ def measure_loaded_gloo(rank: int) -> dict[str, float]:
 
 def measure_gloo() -> tuple[dict[int, float], dict[int, float], dict[str, float]]:
     """(p2p seconds, all-reduce seconds) by message bytes between 2 idle local gloo ranks, and the seconds per
-    message by op between compute bursts (:func:`measure_loaded_gloo`)."""
+    message by op between compute bursts (:func:`measure_loaded_gloo`, ``"async_all_to_all"`` included)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="moeplan-calibrate-") as tmp:
@@ -326,14 +349,15 @@ def calibrate() -> Calibration:
     matmul, vector, memory, mm_s, mul_s = measure_compute()
     fwd_s, bwd_s = measure_kernel_launch()
     p2p, reduce, loaded = measure_gloo()
+    async_s = loaded.pop("async_all_to_all")
     return Calibration(matmul_flops=matmul, vector_flops=vector, memory_bytes_per_s=memory, launch_matmul_s=mm_s,
                        launch_other_s=mul_s, forward_kernel_s=fwd_s, backward_kernel_s=bwd_s, p2p_s=p2p,
-                       all_reduce_s=reduce, loaded_s=loaded)
+                       all_reduce_s=reduce, loaded_s=loaded, async_all_to_all_s=async_s)
 
 
 def calibrated_target(base: Target, cal: Calibration, *, name: str) -> Target:
     """``base`` with the measured figures (every efficiency 1: they are achieved rates), ``"kernel"`` launch
-    granularity and ``fp32`` training."""
+    granularity, ``fp32`` training and the measured ``comm_compute_slowdown``."""
     link, collective_s = cal.comm_link()
     return base.model_copy(update=dict(
         name=name, cube_flops=cal.cube_flops, vector_flops=cal.vector_flops,
@@ -344,7 +368,7 @@ def calibrated_target(base: Target, cal: Calibration, *, name: str) -> Target:
                           granularity="kernel",
                           forward_kernel_s=cal.forward_kernel_s,
                           backward_kernel_s=cal.backward_kernel_s),
-        training_dtype="fp32", variant=None))
+        training_dtype="fp32", comm_compute_slowdown=cal.comm_compute_slowdown, variant=None))
 
 
 @dataclass(frozen=True)
@@ -444,7 +468,9 @@ def write_target(target: Target, cal: Calibration, path: str | Path, *, fit: Lau
              *(f"#   gloo 2 ranks {s} B: p2p {cal.p2p_s[s] * 1e6:.1f} us, all-reduce {cal.all_reduce_s[s] * 1e6:.1f} us"
                for s in sorted(cal.p2p_s)),
              f"#   gloo 2 ranks, {LOADED_BYTES} B between compute bursts (launch.collective_latency_s, less the "
-             "transfer time): " + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in sorted(cal.loaded_s.items()))]
+             "transfer time): " + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in sorted(cal.loaded_s.items())),
+             f"#   gloo 2 ranks, all-to-all of {LOADED_BYTES} B posted before a compute burst, waited after: "
+             f"{cal.async_all_to_all_s * 1e6:.1f} us (comm_compute_slowdown = that / the blocking all-to-all)"]
     if fit is not None:
         lines.append(f"# {fit_summary(fit, fit_model)}")
     data = target.model_dump(mode="json", exclude={"variant"})

@@ -278,6 +278,11 @@ def test_calibrate_writes_a_target_the_compiler_uses(tmp_path):
         {op: max(0.0, t - LOADED_OPS[op][0] * LOADED_BYTES / bandwidth) for op, t in loaded.items()},
         rel=1e-3, abs=5e-7)
     assert target.inter_node == target.intra_node
+    # comm_compute_slowdown: the asynchronous all-to-all's extra period beside compute over its blocking cost
+    line = next(x for x in out.read_text().splitlines() if "posted before a compute burst" in x)
+    beside = float(line.split("waited after: ", 1)[1].split()[0]) * 1e-6
+    assert target.comm_compute_slowdown == pytest.approx(min(10.0, beside / loaded["all_to_all"]), rel=1e-3,
+                                                         abs=1e-3)
     plan = tmp_path / "plan.yaml"
     proc = moeplan("compile", "tiny-pangu", "--target", str(out), "--devices", "2", "--pp", "2", "-o", str(plan))
     assert proc.returncode == 0, proc.stderr
