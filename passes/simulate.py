@@ -105,12 +105,14 @@ def _one_segment(segs: Sequence[Segment]) -> tuple[Segment, ...]:
 
 
 def stage_program(layer_costs: Sequence[LayerCost], mode: Recompute, activation_bytes: float, *,
-                  redo_s: Mapping[LayerKind, float] | None = None, swap_s: tuple[float, float] = (0.0, 0.0)
-                  ) -> StageProgram:
+                  redo_s: Mapping[LayerKind, float] | None = None, swap_s: tuple[float, float] = (0.0, 0.0),
+                  weight_pass: str = "weight-only") -> StageProgram:
     """One stage's program: forward in layer order, the backward passes in reverse layer order (module
     docstring). Per-tensor modes: ``redo_s`` per layer kind (seconds re-run per layer) and ``swap_s`` (the copy
     out and the prefetch the host link does not hide, per micro-batch), which hold the compute stream at the end
-    of the forward and the start of the backward."""
+    of the forward and the start of the backward. ``weight_pass`` (the target's ``runtime.weight_pass``): a W
+    action runs the dW kernels alone (``weight-only``) or every layer's dX and dW kernels again
+    (``whole-backward``, no recompute: I has recomputed what the backward needs)."""
     redo = redo_s or {}
     back = list(reversed(layer_costs))
     out = (Segment("swap_out", "compute", swap_s[0]),) if swap_s[0] > 0 else ()
@@ -122,7 +124,9 @@ def stage_program(layer_costs: Sequence[LayerCost], mode: Recompute, activation_
 
     return StageProgram(fwd=compact(concat_segments([c.program.fwd for c in layer_costs] + [out])),
                         bwd_input=backward(False),
-                        bwd_weight=_one_segment(concat_segments([c.program.weight_alone for c in back])),
+                        bwd_weight=_one_segment(concat_segments(
+                            [c.program.weight_alone for c in back] if weight_pass == "weight-only"
+                            else [_layer_backward(c, "none", weight=True) for c in back])),
                         backward=backward(True), activation_bytes=activation_bytes)
 
 
@@ -280,6 +284,7 @@ def stage_programs(state: PlanState) -> tuple[list[StageProgram], list[float]]:
     assert state.sharding and state.stages and state.memory
     lay, spec = state.layout, state.graph.spec
     costs = state.sharding.layer_costs
+    weight_pass = state.target.runtime.weight_pass
     programs: list[StageProgram] = [None] * (lay.pp * lay.vpp)  # type: ignore[list-item]
     flops_per_mb = [0.0] * lay.pp
     for r in range(lay.pp):
@@ -291,11 +296,13 @@ def stage_programs(state: PlanState) -> tuple[list[StageProgram], list[float]]:
                 ours = {LayerKind(d.kind): d for d in mem.decisions if d.chunk == c}
                 programs[state.stages.stage_of(r, c)] = stage_program(
                     lcs, mode, sum(ours[x.kind].kept_bytes for x in lcs if x.kind in ours),
-                    redo_s={k: d.recompute_s for k, d in ours.items()}, swap_s=mem.exposed_swap_s[c])
+                    redo_s={k: d.recompute_s for k, d in ours.items()}, swap_s=mem.exposed_swap_s[c],
+                    weight_pass=weight_pass)
                 flops_per_mb[r] += sum(x.executed_flops + (ours[x.kind].recompute_flops if x.kind in ours else 0)
                                        for x in lcs)
                 continue
-            programs[state.stages.stage_of(r, c)] = stage_program(lcs, mode, sum(saved_bytes(x, mode) for x in lcs))
+            programs[state.stages.stage_of(r, c)] = stage_program(lcs, mode, sum(saved_bytes(x, mode) for x in lcs),
+                                                                  weight_pass=weight_pass)
             flops_per_mb[r] += sum(x.executed_flops + recompute_work(x, mode)[1] for x in lcs)
     return programs, flops_per_mb
 

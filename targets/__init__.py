@@ -140,6 +140,11 @@ class RuntimeSupport(BaseModel):
     """Overlap mechanisms the runtime executes: ``shared-expert`` (shared experts beside dispatch/combine), ``fb``
     (one micro-batch's forward beside another's backward), ``dp`` (gradient reduce-scatter and parameter all-gather
     beside compute), ``pp`` (p2p beside compute)."""
+    weight_pass: Literal["weight-only", "whole-backward"] = "weight-only"
+    """What a separate W action (zero-bubble, ZB-V, DualPipeV) runs: ``weight-only``, the dW kernels alone
+    (Megatron-LM's and MindSpeed's zero-bubble split); ``whole-backward``, the stage's backward traversed again
+    w.r.t. the parameters, dX kernels included (moeplan's executor: eager autograd cannot run the dW half alone
+    without its graph walk, docs/runtime.md), so W costs about a B."""
 
 
 class Target(BaseModel):

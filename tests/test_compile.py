@@ -141,3 +141,31 @@ def test_estimate_rank_load_follows_the_partition_pass():
     assert free != runs
     assert rank_load(times, slots, 2, 2, "loop") == pytest.approx(1.0140, abs=1e-4)
     assert rank_load(times, (0,) * len(times), 2, 2, "loop") == pytest.approx(1.0353, abs=1e-4)
+
+
+def test_weight_pass_whole_backward_prices_w_as_a_second_backward():
+    """A runtime whose W re-traverses the backward (the cpu emulator) has W priced as the stage's dX and dW kernels,
+    in the timeline and in compare's per-action prediction; a weight-only runtime's W is the dW kernels alone."""
+    from moeplan.compile import plan_timeline
+    from moeplan.cost_models.timeline import parse_action
+    from moeplan.runtime.compare import predicted_rank
+
+    base = load_target("cpu", devices_per_node=4).model_copy(update={"comm_compute_slowdown": 0.0})
+    assert base.runtime.weight_pass == "whole-backward"
+    only = base.model_copy(update={"runtime": base.runtime.model_copy(update={"weight_pass": "weight-only"})})
+    fixed = Fixed(global_batch=8, seq_len=64, pp=2, vpp=2, tp=1, cp=1, ep=1, micro_batch=2, schedule="zero-bubble")
+    plans = {t.runtime.weight_pass: compile_model(spec=load_spec("tiny-pangu"), target=t, num_devices=2, fixed=fixed,
+                                                  workers=1, candidates=1).plan for t in (base, only)}
+    whole, alone = plans["whole-backward"], plans["weight-only"]
+    assert [r.recompute for r in whole.memory.ranks] == ["none", "none"]
+    for r in range(2):
+        w, o = predicted_rank(whole, r), predicted_rank(alone, r)
+        assert o["W"] > 0 and w["I"] == pytest.approx(o["I"])
+        assert w["W"] == pytest.approx(o["W"] + o["I"], rel=1e-9)
+
+        def w_seconds(plan):
+            return sum(e.end_s - e.start_s for e in plan_timeline(plan).timeline.events
+                       if e.rank == r and e.stream == "compute" and parse_action(e.action).kind == "W")
+        assert w_seconds(whole) == pytest.approx(w["W"], rel=1e-6)
+        assert w_seconds(alone) == pytest.approx(o["W"], rel=1e-6)
+    assert whole.prediction.step_time_s > alone.prediction.step_time_s

@@ -7,7 +7,8 @@ recompute mode per PP rank) and the schedule (number of micro-batches and sends)
 
 - per compute action of the rank's action list, over the layers of its stage: ``F`` Σ (fwd_s + forward
   collectives); ``B`` Σ (bwd_input_s + bwd_weight_s + backward collectives), plus the forward under full recompute
-  (selective recompute seconds are not in the plan); ``I`` the same without bwd_weight_s, ``W`` Σ bwd_weight_s;
+  (selective recompute seconds are not in the plan); ``I`` the same without bwd_weight_s, ``W`` Σ bwd_weight_s
+  (plus bwd_input_s and the backward collectives on a target whose ``runtime.weight_pass`` is ``whole-backward``);
   summed per kind. An ``OVERLAP_F_B`` pair is the simulated pair's duration (``compile.plan_timeline``: how much of
   each half's communication hides under the other's compute is the simulation's figure);
 - ``OPTIMIZER`` = ``prediction.exposed_comm_s["dp"] + prediction.optimizer_s`` (gradient reduce-scatter, parameter
@@ -123,6 +124,7 @@ def predicted_rank(plan: Plan, pp_rank: int) -> dict[str, float]:
 
     spec, m = plan.model.spec, plan.layout.num_microbatches
     full = plan.memory.ranks[pp_rank].recompute == "full"
+    whole = plan.target.runtime.weight_pass == "whole-backward"
     scale = _byte_scale(plan)
     out: dict[str, float] = defaultdict(float)
     per_action: dict[tuple[str, int], float] = defaultdict(float)  # (F/B/I/W, stage) -> seconds of one action
@@ -135,7 +137,7 @@ def predicted_rank(plan: Plan, pp_rank: int) -> dict[str, float]:
             per_action[("F", stage)] += cost.fwd_s + fwd_c
             per_action[("B", stage)] += cost.bwd_input_s + cost.bwd_weight_s + bwd_c + recompute
             per_action[("I", stage)] += cost.bwd_input_s + bwd_c + recompute
-            per_action[("W", stage)] += cost.bwd_weight_s
+            per_action[("W", stage)] += cost.bwd_weight_s + (cost.bwd_input_s + bwd_c if whole else 0.0)
             for c in cost.collectives:
                 out[f"comm:{c.comm_class}"] += m * c.time_s
                 out[f"bytes:{c.comm_class}"] += m * c.bytes * scale
