@@ -5,10 +5,13 @@ For each layout: ``moeplan compile tiny-pangu --target TARGET ...``, ``moeplan r
 predicted and measured step seconds, their ratio, and per PP rank the predicted and measured peak saved-activation
 bytes) and a summary line: the layouts within 15% (step) and 10% (activations), the range of step ratios, and the
 measured step of ``picked`` (the layout ``moeplan compile`` picks on 2 devices) over the fastest measured 2-device
-layout. When ``1dev-mb1`` (the fit point) is among the layouts it is measured again at the end:
-``fit_point_end_over_start`` is its second step time over its first. This machine's speed drifts (by up to 1.35×
-within minutes on the development VM), so a sweep whose fit point moved by more than about 5% measured a machine
-that was not the calibrated one: re-run it.
+layout.
+
+The development VM's speed drifts by up to 1.45× within minutes (the fit point measured 150, 222 and 187 ms per
+step in one afternoon), so after each layout the fit point (``1dev-mb1``) is run again: ``fit_point_ratio`` is its
+measured/predicted step then, and ``step_ratio_over_fit_point`` the layout's ratio divided by it — the model's
+error with the machine's drift since calibration taken out (the fit point is 1.00 on the machine it was fitted
+on). Both are printed; ``--no-fit-point`` skips the re-runs.
 
 Usage::
 
@@ -70,25 +73,31 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--only", default=",".join(LAYOUTS), help="comma-separated layout names")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--no-fit-point", action="store_true", help="do not run the fit point again after each layout")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="moeplan-pred-") as tmp:
         workdir = Path(args.workdir or tmp)
-        workdir.mkdir(parents=True, exist_ok=True)
-        results, names = [], args.only.split(",")
-        for name in names:
-            results.append(measure(name, target=args.target, steps=args.steps, workdir=workdir))
-            print(json.dumps(results[-1]), flush=True)
-        drift = None
-        if "1dev-mb1" in names and len(names) > 1:  # the fit point again: did the machine change speed meanwhile?
-            again = measure("1dev-mb1", target=args.target, steps=args.steps, workdir=workdir)
-            first = next(r for r in results if r["layout"] == "1dev-mb1")
-            drift = round(again["step_measured_ms"] / first["step_measured_ms"], 3)
+        (workdir / "fit-point").mkdir(parents=True, exist_ok=True)
+        results = []
+        for name in args.only.split(","):
+            row = measure(name, target=args.target, steps=args.steps, workdir=workdir)
+            if not args.no_fit_point and name != "1dev-mb1":
+                fit = measure("1dev-mb1", target=args.target, steps=args.steps, workdir=workdir / "fit-point")
+                row["fit_point_ratio"] = fit["step_ratio"]
+                row["step_ratio_over_fit_point"] = round(row["step_ratio"] / fit["step_ratio"], 3)
+            results.append(row)
+            print(json.dumps(row), flush=True)
     within = [r["layout"] for r in results if abs(r["step_ratio"] - 1) <= 0.15
               and all(abs(p["ratio"] - 1) <= 0.10 for p in r["peak_saved_bytes"].values())]
     summary = {"layouts": len(results), "within_15pct_step_and_10pct_activations": within,
                "step_ratio_range": [min(r["step_ratio"] for r in results), max(r["step_ratio"] for r in results)]}
-    if drift is not None:
-        summary["fit_point_end_over_start"] = drift
+    adjusted = [r for r in results if "step_ratio_over_fit_point" in r]
+    if adjusted:
+        summary.update(
+            step_ratio_over_fit_point_range=[min(r["step_ratio_over_fit_point"] for r in adjusted),
+                                             max(r["step_ratio_over_fit_point"] for r in adjusted)],
+            within_15pct_over_fit_point=[r["layout"] for r in adjusted
+                                         if abs(r["step_ratio_over_fit_point"] - 1) <= 0.15])
     two = [r for r in results if not r["layout"].startswith("1dev")]
     picked = next((r for r in results if r["layout"] == "picked"), None)
     if picked is not None and two:
