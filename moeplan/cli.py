@@ -409,7 +409,7 @@ def calibrate_cmd(target: str = typer.Option("cpu", "--target", help="base targe
     tgt = calibrated_target(base, cal, name=name or Path(output).stem)
     fit = fit_launch_scale(spec, tgt) if spec is not None else None
     if fit is not None:
-        tgt = scaled_target(tgt, fit.forward_scale, fit.backward_scale)
+        tgt = scaled_target(tgt, fit.forward_scale, fit.backward_scale, fit.rate_scale)
         out.print(fit_summary(fit, fit_model or ""))
     write_target(tgt, cal, output, fit=fit, fit_model=fit_model or "")
     if as_json:

@@ -48,8 +48,18 @@ repeats after a warm-up (the median is used for the gloo figures):
   0.4–0.5 ms against L ≈ 1.0 ms (σ ≈ 0.4–0.5) after 0.9 ms bursts, and ≈ 0.5–0.57 ms against 1.2–1.4 ms after
   2.5–3.4 ms bursts, so an asynchronous collective hides about half its cost, not all of it.
 
-Optionally (``fit_model``) the launch costs are then scaled by two factors fitted to a measured 1-device ``moeplan
-run`` of that model (``global_batch`` sequences in micro-batches of 1: the runtime's executor, parallel layers and
+Optionally (``fit_model``) three factors are then fitted to that model run on this machine. First the rate scale
+``u`` (every op's roofline time × ``u``: the compute and memory efficiencies ÷ ``u``, at least 1): the model's eager
+forward and backward (moeplan.models.MoEModel) at micro-batches of 1 and ``GROWTH_SIZE`` sequences, the two sizes
+interleaved for ``GROWTH_ROUNDS`` rounds so that both see the same machine (its speed drifts by up to 1.45× within
+minutes on the development VM), give how much a micro-batch's F + B grows with its tokens; the predicted growth is
+linear in ``u`` (the launch costs cancel: a micro-batch of any size launches the same kernels), and ``u`` makes it
+equal the measured one. Why: the peak rates above come from a 512³ matmul and a 4M-element add, while the model's
+ops are small (64-wide) and many are neither (softmax, index ops, concatenations); on tiny-pangu a micro-batch's
+F + B grew by 9.7 ms from 1 to 4 sequences where the peak rates priced 3.6 ms (u ≈ 2.7), so with a fit of the launch
+costs alone every layout with micro-batches above 1 was predicted too fast (F × 1.13 and B × 1.25 from 1 to 4
+sequences predicted, × 1.48 and × 1.60 measured; benchmarks/microbatch_scaling.py). Then, with ``u`` in place, the
+launch costs are scaled by two factors fitted to a measured 1-device ``moeplan run`` of that model (``global_batch`` sequences in micro-batches of 1: the runtime's executor, parallel layers and
 ZeRO-1 AdamW; the medians over steps 5–39 of the F and of the B seconds per step its metrics record): ``k_f`` on the
 forward costs (``forward_kernel_s``, and the per-op ``matmul_s`` / ``other_s`` of the ``"op"`` granularity) so that
 the predicted F seconds equal the measured ones, then, with ``k_f`` in place, ``k_b`` on ``backward_kernel_s`` so
@@ -64,7 +74,7 @@ the wrong shape. The fit is one calibration of the machine with that model famil
 layout; its layout is reported as the fit point, not as a prediction.
 
 The file keeps the base target's other fields (node size, memory), sets every efficiency to 1 (the figures are
-achieved rates) and is written atomically; ``moeplan compile ... --target FILE`` loads it.
+achieved rates; the fitted rate scale then divides the compute and memory ones) and is written atomically; ``moeplan compile ... --target FILE`` loads it.
 """
 from __future__ import annotations
 
@@ -96,6 +106,9 @@ BURST_OPS = 100
 LOADED_ITERS = 40
 LOADED_REPEATS = 15
 FIT_STEPS = 40
+GROWTH_SIZE = 4
+GROWTH_ROUNDS = 30
+MAX_RATE_SCALE = 10.0
 LOADED_OPS: dict[str, tuple[float, int]] = {  # op -> (multiple of S/B, α steps) at 2 ranks (cost_models/comm.py)
     "p2p": (1.0, 1), "all_gather": (1.0, 1), "all_to_all": (0.5, 1), "all_reduce": (1.0, 2),
     "reduce_scatter": (0.5, 1)}
@@ -373,8 +386,10 @@ def calibrated_target(base: Target, cal: Calibration, *, name: str) -> Target:
 
 @dataclass(frozen=True)
 class LaunchFit:
-    """The fitted forward and backward launch scales and their inputs: the measured F and B seconds per step of the
-    fit run, and the predicted ones with each scale at 0 and at 1."""
+    """The fitted scales and their inputs: ``rate_scale`` (compute and memory time × it: efficiencies ÷ it) from the
+    measured growth of a micro-batch's F + B seconds from ``sizes[0]`` to ``sizes[1]`` sequences against the
+    predicted growth at rate 1; then the forward and backward launch scales from the measured F and B seconds per
+    step of the fit run and the predicted ones with each scale at 0 and at 1."""
 
     forward_scale: float
     backward_scale: float
@@ -382,6 +397,10 @@ class LaunchFit:
     measured_b_s: float
     predicted_f_s: tuple[float, float]
     predicted_b_s: tuple[float, float]
+    rate_scale: float = 1.0
+    sizes: tuple[int, int] = (1, 1)
+    measured_growth_s: float = 0.0
+    predicted_growth_s: float = 0.0
 
 
 def measure_runtime_actions_s(plan: Plan, *, steps: int = FIT_STEPS, first_step: int = 5) -> tuple[float, float]:
@@ -401,6 +420,35 @@ def measure_runtime_actions_s(plan: Plan, *, steps: int = FIT_STEPS, first_step:
                  for kind in ("F", "B"))
 
 
+def measure_model_fb_s(spec: ModelSpec, sizes: tuple[int, ...], *, rounds: int = GROWTH_ROUNDS,
+                       warmup: int = 5) -> dict[int, tuple[float, float]]:
+    """Per micro-batch size (sequences of ``spec.seq_len`` tokens), the median (F, B) seconds of the model's eager
+    forward and backward (moeplan.models.MoEModel, one thread), the sizes interleaved round after round so that
+    each sees the same machine (its speed drifts by up to 1.45× within minutes on the development VM)."""
+    from moeplan.models import MoEModel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = MoEModel(spec, seed=0)
+        tokens = torch.randint(0, spec.vocab_size, (max(sizes), spec.seq_len + 1))
+        times: dict[int, list[tuple[float, float]]] = {s: [] for s in sizes}
+        for round_ in range(warmup + rounds):
+            for s in sizes:
+                t0 = time.perf_counter()
+                loss = model(tokens[:s, :-1], tokens[:s, 1:])
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                model.zero_grad(set_to_none=True)
+                if round_ >= warmup:
+                    times[s].append((t1 - t0, t2 - t1))
+    finally:
+        torch.set_num_threads(threads)
+    return {s: (statistics.median(f for f, _ in ts), statistics.median(b for _, b in ts)) for s, ts in times.items()}
+
+
 def predicted_actions_s(plan: Plan) -> tuple[float, float]:
     """The F and B seconds per step a 1-device ``plan`` predicts (moeplan.runtime.compare.predicted_rank)."""
     from moeplan.runtime.compare import predicted_rank
@@ -410,48 +458,68 @@ def predicted_actions_s(plan: Plan) -> tuple[float, float]:
 
 
 def fit_launch_scale(spec: ModelSpec, target: Target) -> LaunchFit:
-    """Fit the forward and backward launch-cost scales of ``target`` to a measured 1-device ``moeplan run`` of
-    ``spec`` (micro-batches of 1, the spec's global batch and sequence length; module docstring): the forward scale
-    to the measured F seconds per step, then, with it, the backward scale to the measured B seconds."""
+    """Fit ``target``'s rate scale and forward and backward launch-cost scales to ``spec`` run on this machine
+    (module docstring): the rate scale to the growth of a micro-batch's F + B seconds from 1 to
+    ``GROWTH_SIZE`` sequences (the model's eager step, the sizes interleaved), then the forward scale to the F
+    seconds per step of a measured 1-device ``moeplan run`` (micro-batches of 1, the spec's global batch and
+    sequence length) and, with it, the backward scale to its B seconds."""
     from moeplan.compile import compile_model
     from moeplan.search import Fixed
 
-    fixed = Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len, tp=1, pp=1, vpp=1, ep=1, etp=1, cp=1,
-                  micro_batch=1)
-
-    def compiled(forward: float, backward: float) -> Plan:
-        return compile_model(spec=spec, target=scaled_target(target, forward, backward), num_devices=1,
+    def compiled(forward: float, backward: float, rate: float, size: int = 1) -> Plan:
+        fixed = Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len, tp=1, pp=1, vpp=1, ep=1, etp=1, cp=1,
+                      micro_batch=size, recompute="none")
+        return compile_model(spec=spec, target=scaled_target(target, forward, backward, rate), num_devices=1,
                              fixed=fixed, workers=1, candidates=1).plan
 
     def linear(measured: float, at0: float, at1: float) -> float:
         return max(0.0, (measured - at0) / (at1 - at0)) if at1 > at0 else 1.0
 
-    f_meas, b_meas = measure_runtime_actions_s(compiled(1.0, 1.0))
-    f0, f1 = predicted_actions_s(compiled(0.0, 1.0))[0], predicted_actions_s(compiled(1.0, 1.0))[0]
+    def per_microbatch_fb(plan: Plan) -> float:
+        return sum(predicted_actions_s(plan)) / plan.layout.num_microbatches
+
+    sizes = (1, min(GROWTH_SIZE, spec.global_batch))
+    rate, grown, priced = 1.0, 0.0, 0.0
+    if sizes[1] > sizes[0]:
+        fb = measure_model_fb_s(spec, sizes)
+        grown = sum(fb[sizes[1]]) - sum(fb[sizes[0]])
+        at = {u: per_microbatch_fb(compiled(1.0, 1.0, u, sizes[1])) - per_microbatch_fb(compiled(1.0, 1.0, u))
+              for u in (1.0, 2.0)}
+        priced = at[1.0]
+        rate = min(MAX_RATE_SCALE, max(1.0, 1.0 + (grown - at[1.0]) / (at[2.0] - at[1.0]))) \
+            if at[2.0] > at[1.0] else 1.0
+    f_meas, b_meas = measure_runtime_actions_s(compiled(1.0, 1.0, rate))
+    f0, f1 = predicted_actions_s(compiled(0.0, 1.0, rate))[0], predicted_actions_s(compiled(1.0, 1.0, rate))[0]
     kf = linear(f_meas, f0, f1)
-    b0, b1 = predicted_actions_s(compiled(kf, 0.0))[1], predicted_actions_s(compiled(kf, 1.0))[1]
+    b0, b1 = predicted_actions_s(compiled(kf, 0.0, rate))[1], predicted_actions_s(compiled(kf, 1.0, rate))[1]
     return LaunchFit(forward_scale=kf, backward_scale=linear(b_meas, b0, b1), measured_f_s=f_meas,
-                     measured_b_s=b_meas, predicted_f_s=(f0, f1), predicted_b_s=(b0, b1))
+                     measured_b_s=b_meas, predicted_f_s=(f0, f1), predicted_b_s=(b0, b1), rate_scale=rate,
+                     sizes=sizes, measured_growth_s=grown, predicted_growth_s=priced)
 
 
-def scaled_target(target: Target, forward: float, backward: float) -> Target:
+def scaled_target(target: Target, forward: float, backward: float, rate: float = 1.0) -> Target:
     """``target`` with its forward launch costs (``forward_kernel_s`` and the ``"op"`` granularity's ``matmul_s`` /
-    ``other_s``) times ``forward`` and ``backward_kernel_s`` times ``backward``."""
+    ``other_s``) times ``forward``, ``backward_kernel_s`` times ``backward``, and its compute and memory
+    efficiencies divided by ``rate`` (≥ 1: every op's roofline time × ``rate``, cost_models/compute.py)."""
     launch = target.launch.model_copy(update=dict(
         matmul_s=target.launch.matmul_s * forward, other_s=target.launch.other_s * forward,
         forward_kernel_s=target.launch.forward_kernel_s * forward,
         backward_kernel_s=target.launch.backward_kernel_s * backward))
-    return target.model_copy(update=dict(launch=launch))
+    eff = target.efficiency.model_copy(update=dict(compute=target.efficiency.compute / rate,
+                                                   memory=target.efficiency.memory / rate))
+    return target.model_copy(update=dict(launch=launch, efficiency=eff))
 
 
 def fit_summary(fit: LaunchFit, model: str) -> str:
     """One line: the fitted scales and what they were fitted to (milliseconds per step)."""
     ms = 1e3
-    return (f"launch costs: forward x {fit.forward_scale:.2f}, backward x {fit.backward_scale:.2f}, fitted to a "
-            f"measured 1-device {model} step's F {fit.measured_f_s * ms:.1f} ms and B {fit.measured_b_s * ms:.1f} ms "
-            f"(predicted F {fit.predicted_f_s[0] * ms:.1f} / {fit.predicted_f_s[1] * ms:.1f} ms and B "
-            f"{fit.predicted_b_s[0] * ms:.1f} / {fit.predicted_b_s[1] * ms:.1f} ms without / with the measured "
-            f"launch costs)")
+    return (f"rate x {fit.rate_scale:.2f}: a micro-batch's F + B grows by {fit.measured_growth_s * ms:.2f} ms from "
+            f"{fit.sizes[0]} to {fit.sizes[1]} sequences (predicted {fit.predicted_growth_s * ms:.2f} ms at the "
+            f"measured rates); launch costs: forward x {fit.forward_scale:.2f}, backward x {fit.backward_scale:.2f}, "
+            f"fitted to a measured 1-device {model} step's F {fit.measured_f_s * ms:.1f} ms and B "
+            f"{fit.measured_b_s * ms:.1f} ms (predicted F {fit.predicted_f_s[0] * ms:.1f} / "
+            f"{fit.predicted_f_s[1] * ms:.1f} ms and B {fit.predicted_b_s[0] * ms:.1f} / "
+            f"{fit.predicted_b_s[1] * ms:.1f} ms without / with the measured launch costs)")
 
 
 def write_target(target: Target, cal: Calibration, path: str | Path, *, fit: LaunchFit | None = None,

@@ -303,3 +303,31 @@ def test_fit_alpha_launch_rejects_unknown_ops_and_one_step_count():
         fit_alpha_launch(dict(p2p=1.0, broadcast=2.0))
     with pytest.raises(ValueError, match="different α step counts"):
         fit_alpha_launch(dict(p2p=1.0, all_to_all=2.0))
+
+
+def test_rate_scale_divides_the_efficiencies_and_prices_growth_linearly():
+    # what calibrate --fit-model relies on: a micro-batch's predicted growth from 1 to 4 sequences is linear in the
+    # rate scale (launch costs cancel), and the rate scale divides the compute and memory efficiencies
+    from moeplan.compile import compile_model
+    from moeplan.runtime.calibrate import predicted_actions_s, scaled_target
+    from moeplan.search import Fixed
+    from moeplan.spec import load_spec
+
+    base, spec = load_target("cpu"), load_spec("tiny-pangu")
+
+    def growth(rate: float) -> float:
+        per_mb = []
+        for size in (1, 4):
+            plan = compile_model(spec=spec, target=scaled_target(base, 1.0, 1.0, rate), num_devices=1, workers=1,
+                                 candidates=1, fixed=Fixed(global_batch=8, seq_len=64, tp=1, pp=1, vpp=1, ep=1, etp=1,
+                                                           cp=1, micro_batch=size, recompute="none")).plan
+            per_mb.append(sum(predicted_actions_s(plan)) / plan.layout.num_microbatches)
+        return per_mb[1] - per_mb[0]
+
+    scaled = scaled_target(base, 1.0, 1.0, 2.5)
+    assert scaled.efficiency.compute == pytest.approx(base.efficiency.compute / 2.5)
+    assert scaled.efficiency.memory == pytest.approx(base.efficiency.memory / 2.5)
+    assert scaled.launch == base.launch
+    g1, g2, g3 = growth(1.0), growth(2.0), growth(3.0)
+    assert g1 > 0 and g2 - g1 > 0
+    assert g3 - g2 == pytest.approx(g2 - g1, rel=1e-6)
