@@ -5,8 +5,9 @@ made minutes apart mixes the model's error with the machine's. This script measu
 (``--sizes``) interleaved in one process — round after round, each size once per round — so every size sees the
 same machine, and compares how the per-micro-batch F and B seconds grow with the size against how the plans
 compiled for those sizes on ``--target`` say they grow. What runs is the model's own eager forward and backward
-(``moeplan.models.MoEModel``, the single-process reference of the runtime's parity tests; one thread, fp32), not
-the executor; the predicted figures are ``moeplan compare``'s per-action F and B (moeplan.runtime.compare) over the
+(``moeplan.models.MoEModel``, the single-process reference of the runtime's parity tests; one thread, fp32;
+moeplan.runtime.calibrate.measure_model_fb_s, which ``calibrate --fit-model`` fits its rate scale to), not the
+executor; the predicted figures are ``moeplan compare``'s per-action F and B (moeplan.runtime.compare) over the
 number of micro-batches.
 
 Usage::
@@ -23,12 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
-
-import torch
 
 from cli_runs import moeplan_cli
 
@@ -54,7 +51,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     args = ap.parse_args()
-    from moeplan.models import MoEModel
+    from moeplan.runtime.calibrate import measure_model_fb_s
     from moeplan.spec import load_spec
 
     sizes = sorted(int(s) for s in args.sizes.split(","))
@@ -63,24 +60,7 @@ def main() -> None:
         raise SystemExit(f"--sizes: {sizes[-1]} exceeds the model's global batch {spec.global_batch}")
     with tempfile.TemporaryDirectory(prefix="moeplan-mbscale-") as tmp:
         predicted = {s: predicted_per_microbatch(args.model, args.target, s, Path(tmp)) for s in sizes}
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = MoEModel(spec, seed=0)
-    tokens = torch.randint(0, spec.vocab_size, (sizes[-1], spec.seq_len + 1))
-    times: dict[int, list[tuple[float, float]]] = {s: [] for s in sizes}
-    for round_ in range(args.warmup + args.rounds):
-        for s in sizes:
-            batch = tokens[:s]
-            t0 = time.perf_counter()
-            loss = model(batch[:, :-1], batch[:, 1:])
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            model.zero_grad(set_to_none=True)
-            if round_ >= args.warmup:
-                times[s].append((t1 - t0, t2 - t1))
-    measured = {s: (statistics.median(f for f, _ in times[s]), statistics.median(b for _, b in times[s]))
-                for s in sizes}
+    measured = measure_model_fb_s(spec, tuple(sizes), rounds=args.rounds, warmup=args.warmup)
     for s in sizes:
         print(json.dumps({"micro_batch": s, "F_measured_ms": round(measured[s][0] * 1e3, 3),
                           "F_predicted_ms": round(predicted[s][0] * 1e3, 3),

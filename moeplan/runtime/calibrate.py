@@ -397,10 +397,10 @@ class LaunchFit:
     measured_b_s: float
     predicted_f_s: tuple[float, float]
     predicted_b_s: tuple[float, float]
-    rate_scale: float = 1.0
-    sizes: tuple[int, int] = (1, 1)
-    measured_growth_s: float = 0.0
-    predicted_growth_s: float = 0.0
+    rate_scale: float
+    sizes: tuple[int, int]
+    measured_growth_s: float
+    predicted_growth_s: float
 
 
 def measure_runtime_actions_s(plan: Plan, *, steps: int = FIT_STEPS, first_step: int = 5) -> tuple[float, float]:
