@@ -430,9 +430,9 @@ def measure_model_fb_s(spec: ModelSpec, sizes: tuple[int, ...], *, rounds: int =
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        torch.manual_seed(0)
         model = MoEModel(spec, seed=0)
-        tokens = torch.randint(0, spec.vocab_size, (max(sizes), spec.seq_len + 1))
+        tokens = torch.randint(0, spec.vocab_size, (max(sizes), spec.seq_len + 1),
+                               generator=torch.Generator().manual_seed(0))
         times: dict[int, list[tuple[float, float]]] = {s: [] for s in sizes}
         for round_ in range(warmup + rounds):
             for s in sizes:
@@ -488,8 +488,9 @@ def fit_launch_scale(spec: ModelSpec, target: Target) -> LaunchFit:
         priced = at[1.0]
         rate = min(MAX_RATE_SCALE, max(1.0, 1.0 + (grown - at[1.0]) / (at[2.0] - at[1.0]))) \
             if at[2.0] > at[1.0] else 1.0
-    f_meas, b_meas = measure_runtime_actions_s(compiled(1.0, 1.0, rate))
-    f0, f1 = predicted_actions_s(compiled(0.0, 1.0, rate))[0], predicted_actions_s(compiled(1.0, 1.0, rate))[0]
+    measured = compiled(1.0, 1.0, rate)  # the plan run, and the forward prediction at scale 1
+    f_meas, b_meas = measure_runtime_actions_s(measured)
+    f0, f1 = predicted_actions_s(compiled(0.0, 1.0, rate))[0], predicted_actions_s(measured)[0]
     kf = linear(f_meas, f0, f1)
     b0, b1 = predicted_actions_s(compiled(kf, 0.0, rate))[1], predicted_actions_s(compiled(kf, 1.0, rate))[1]
     return LaunchFit(forward_scale=kf, backward_scale=linear(b_meas, b0, b1), measured_f_s=f_meas,
