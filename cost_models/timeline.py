@@ -30,6 +30,10 @@ Model (one PP group; DP replicas and TP/EP peers are symmetric, so a collective 
   A RECV completes when the matching SEND does; a compute action waits for the RECV of its input, which must come
   earlier in its rank's list. Data dependencies: F(s, m) needs F(s−1, m); B/I(s, m) needs F(s, m) and B/I(s+1, m);
   W(s, m) needs I(s, m) — locally when the neighbour stage is on the same rank, else through the RECV.
+  ``p2p_host_s`` (a runtime whose host thread is the compute stream, the cpu emulator's eager gloo): each SEND and
+  each RECV of the rank's list also holds its compute stream that long, the SEND when its part finishes (before the
+  transfer starts), the RECV where the list reaches it (before the wait for the data): posting the message and the
+  transport's CPU time taken from the compute.
 - **Memory.** A stage's ``activation_bytes`` are allocated when its F starts and freed when its B (W when split)
   ends.
 
@@ -193,11 +197,13 @@ def compact(segs: Sequence[Segment]) -> tuple[Segment, ...]:
 class RunSettings:
     """What runs beside compute (docs/step-model.md §2): the overlap mechanisms that are on, the compute slow-down
     while a collective is in flight (a fraction), the host's cost per kernel launch and per sync (seconds), and
-    the PP link: ``p2p_s`` seconds per transfer of ``p2p_bytes`` on ``p2p_tier``."""
+    the PP link: ``p2p_s`` seconds per transfer of ``p2p_bytes`` on ``p2p_tier``, and ``p2p_host_s`` seconds of
+    the compute stream per SEND and per RECV (the target's ``launch.p2p_host_s``)."""
 
     p2p_s: float = 0.0
     p2p_tier: Tier = "inter"
     p2p_bytes: float = 0.0
+    p2p_host_s: float = 0.0
     mechanisms: frozenset[str] = frozenset({"pp"})
     compute_slowdown: float = 0.0
     host_launch_s: float = 0.0
@@ -771,13 +777,15 @@ def _send(st: _State, r: int, send: tuple[_Key, str, int], ready: float, free: f
     """Issue a SEND of ``ready``-produced activations or gradients on the PP link (a priority transfer)."""
     key, text, index = send
     cfg = ctx.cfg
+    steady = ctx.windows[r][0] <= index <= ctx.windows[r][1]
+    if cfg.p2p_host_s:
+        ready = free = _post(st, r, max(free, ready), steady, cfg.p2p_host_s)
     start, _ = _claim_tiers(st, r, [(cfg.p2p_tier, cfg.p2p_s)] if cfg.p2p_s > 0 else [], ready, "pp",
                             priority=True)
     end = start + cfg.p2p_s
     stat = st.stat(r, "pp")
     stat[0] += cfg.p2p_s
     stat[4 if cfg.p2p_tier == "intra" else 5] += cfg.p2p_bytes
-    steady = ctx.windows[r][0] <= index <= ctx.windows[r][1]
     if steady:
         stat[2] += cfg.p2p_s
     if "pp" not in cfg.mechanisms and end > free:
@@ -789,6 +797,15 @@ def _send(st: _State, r: int, send: tuple[_Key, str, int], ready: float, free: f
     st.send_end[key], st.send_ready[key], st.send_start[key] = end, ready, start
     st.events.append(Event(r, text, "comm", start, end))
     return free
+
+
+def _post(st: _State, r: int, at: float, steady: bool, seconds: float) -> float:
+    """Hold rank ``r``'s compute stream from ``at`` for a p2p post of ``seconds`` (exposed ``pp`` time); its end."""
+    stat = st.stat(r, "pp")
+    stat[1] += seconds
+    if steady:
+        stat[3] += seconds
+    return at + seconds
 
 
 def _claim_tiers(st: _State, r: int, busy: Sequence[tuple[str, float]], ready: float, cls: str, *,
@@ -939,6 +956,9 @@ def _next_overlapped(rk: _Rank, i: int) -> bool:
 def _step_rank(st: _State, r: int, rk: _Rank, i: int, ctx: _Context) -> None:
     """Simulate action ``i`` of rank ``r`` (raises _Blocked when it must wait for another rank). SENDs are issued
     when their part finishes; RECVs only mark where an input is awaited."""
+    if rk.kinds[i] == "recv" and ctx.cfg.p2p_host_s:
+        steady = ctx.windows[r][0] <= i <= ctx.windows[r][1]
+        st.compute_free[r] = _post(st, r, st.compute_free[r], steady, ctx.cfg.p2p_host_s)
     if rk.kinds[i] != "compute":
         return
     keys, text = rk.keys[i], rk.texts[i]

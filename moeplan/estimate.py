@@ -161,7 +161,9 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
       depends on the layers' granularity far more than on the layout), and each
       overlapped pair pays its first layer's extra once (:class:`ModelCost` ``pair_edge``);
     - **Schedule**: ``m`` micro-batches of work (the steady ones as overlapped pairs under ``fb``) plus the bubble
-      (1F1B ``(pp−1)(F+B)``, interleaved ``/vpp``, the zero-bubble family ``(pp−1)(F+I−W)`` per chunk);
+      (1F1B ``(pp−1)(F+B)``, interleaved ``/vpp``, the zero-bubble family ``(pp−1)(F+I−W)`` per chunk); on a
+      target whose p2p messages hold the compute stream (``launch.p2p_host_s``), each micro-batch's ``4·(pp·vpp −
+      1)`` SENDs and RECVs shared by the ``pp`` ranks;
     - **DP and optimizer**: the DP collectives of the average stage (passes/simulate.py) after the last
       backward; under ``dp`` the reduce-scatters of the ``vpp`` chunks, each started at its chunk's last backward
       (:func:`drain_windows`), as far as they run past the rank's last backward
@@ -194,6 +196,8 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
     pair = load * (cost.pair + redo) + vpp * cost.pair_edge  # a micro-batch: vpp pairs on a rank
     pairs = max(0, m - pp) if fb and strategy.schedule in FB_PAIRED else 0
     work = (m - pairs) * (f + i + w) + pairs * pair
+    if pp > 1:
+        work += m * 4 * (chunks - 1) / pp * target.launch.p2p_host_s
     kind = strategy.schedule
     if kind == "1f1b":
         bubble = (pp - 1) * (f + i + w)

@@ -118,6 +118,11 @@ class LaunchCost(BaseModel):
     host_sync_s: StrictFloat = Field(default=0.0, ge=0, le=MAX_SECONDS)
     """The host's extra time at a device-to-host synchronisation (the dropless dispatcher's token-count copy) on an
     ``"op"`` target, seconds; 0 where unknown."""
+    p2p_host_s: StrictFloat = Field(default=0.0, ge=0, le=MAX_SECONDS)
+    """Compute-stream time one pipeline p2p message costs each side on a runtime whose host thread is the
+    compute stream (the ``cpu`` emulator's eager gloo: posting the send or receive, and the transport thread's CPU
+    time taken from the rank's compute), paid at every SEND and RECV (cost_models/timeline.py), seconds; 0 on
+    accelerators, whose host posts a p2p beside the device's stream."""
     collective_latency_s: dict[CommKind, Annotated[StrictFloat, Field(ge=0, le=MAX_SECONDS)]] = Field(
         default_factory=dict)
     """Measured fixed cost of one 2-rank collective per kind (calibrated targets), link latency and launch included,

@@ -133,6 +133,17 @@ def test_p2p_hand_derived():
     assert t.busy_s == pytest.approx((6.0, 6.0)) and t.bubble == pytest.approx((0.3 + 0.35) / 2)
 
 
+def test_p2p_host_cost_holds_the_compute_stream_at_each_send_and_recv():
+    """As test_p2p_hand_derived (m = 1, p2p 0.5) with 0.1 of compute stream per SEND and RECV: rank 1 posts RECV_F
+    [0, 0.1]; rank 0 runs F0 [0, 1], posts SEND_F [1, 1.1] (transfer [1.1, 1.6]) and RECV_B [1.1, 1.2]; rank 1 runs
+    F0' [1.6, 2.6], B0' [2.6, 4.6], posts SEND_B [4.6, 4.7] (transfer [4.7, 5.2]); B0 [5.2, 7.2]. Each rank's two
+    posts are exposed pp time beside its 0.5 wait on a transfer."""
+    t = simulate(one_f_one_b(2, 1), stages=uniform(2), settings=RunSettings(p2p_s=0.5, p2p_host_s=0.1))
+    assert t.step_time_s == pytest.approx(7.2)
+    assert [e.start_s for e in t.events if e.stream == "compute"] == pytest.approx([0, 1.6, 2.6, 5.2])
+    assert [r["pp"] for r in t.exposed_comm_per_rank_s] == pytest.approx([0.7, 0.7])
+
+
 def test_p2p_serializes_on_its_link():
     """p2p 1.5 > F: rank 0's second SEND_F waits for the first ([1, 2.5] then [2.5, 4]); step 12 by hand."""
     t = simulate(one_f_one_b(2, 2), stages=uniform(2), settings=p2p(1.5))

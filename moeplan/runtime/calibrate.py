@@ -47,6 +47,13 @@ repeats after a warm-up (the median is used for the gloo figures):
   ranks over 2 cores gloo's transport threads take their CPU time from the ranks' compute: measured here E ≈
   0.4–0.5 ms against L ≈ 1.0 ms (σ ≈ 0.4–0.5) after 0.9 ms bursts, and ≈ 0.5–0.57 ms against 1.2–1.4 ms after
   2.5–3.4 ms bursts, so an asynchronous collective hides about half its cost, not all of it.
+- ``launch.p2p_host_s`` (what a pipeline p2p message costs the compute thread of each side): the same loop with
+  each rank posting an ``isend`` and an ``irecv`` to the other before each burst and waiting for both after it —
+  what the runtime's SEND and early-posted RECV do (moeplan.runtime.executor) — its extra period over the bare
+  bursts per message. Measured here 340–380 µs per message after 0.9 ms and 2.7 ms bursts, about the blocking p2p's
+  330–420 µs: posting a gloo p2p asynchronously hides almost none of it when no core is idle (the post itself
+  takes ≈0.1 ms at the median with a tail to 3 ms: the transport thread waits for a core). The simulator charges
+  it on the compute stream at every SEND and RECV (cost_models/timeline.py).
 
 Optionally (``fit_model``) three factors are then fitted to that model run on this machine. First the rate scale
 ``u`` (every op's roofline time × ``u``: the compute and memory efficiencies ÷ ``u``, at least 1): the model's eager
@@ -129,6 +136,7 @@ class Calibration:
     all_reduce_s: dict[int, float]
     loaded_s: dict[str, float]
     async_all_to_all_s: float
+    async_p2p_s: float
 
     @property
     def cube_flops(self) -> float:
@@ -312,7 +320,8 @@ def _comm_op(op: str, rank: int, buf: torch.Tensor, out: torch.Tensor) -> None:
 
 def _loaded_period_s(op: str | None, rank: int) -> float:
     """Seconds per iteration of ``LOADED_ITERS`` iterations of a burst (+ one ``op``), both ranks in step. ``op``
-    ``"async_all_to_all"``: an all-to-all posted before the burst and waited after it."""
+    ``"async_all_to_all"``: an all-to-all posted before the burst and waited after it; ``"async_p2p"``: an ``isend``
+    and an ``irecv`` to the other rank posted before it and waited after it."""
     import torch.distributed as dist
 
     x, w = torch.randn(64, 64), torch.randn(64, 128)
@@ -325,6 +334,12 @@ def _loaded_period_s(op: str | None, rank: int) -> float:
             _burst(x, w)
             work.wait()
             continue
+        if op == "async_p2p":  # each rank posts a send and a receive, as a pipeline rank does (two messages)
+            works = [dist.isend(buf, 1 - rank), dist.irecv(out, 1 - rank)]
+            _burst(x, w)
+            for work in works:
+                work.wait()
+            continue
         _burst(x, w)
         if op is not None:
             _comm_op(op, rank, buf, out)
@@ -333,22 +348,23 @@ def _loaded_period_s(op: str | None, rank: int) -> float:
 
 def measure_loaded_gloo(rank: int) -> dict[str, float]:
     """Effective seconds per message of each op of ``LOADED_OPS`` (``LOADED_BYTES`` per rank) while both ranks
-    compute, and of ``"async_all_to_all"`` (posted before the burst, waited after; module docstring): the median
+    compute, and of ``"async_all_to_all"`` and ``"async_p2p"`` (posted before the burst, waited after; module
+    docstring): the median
     over ``LOADED_REPEATS`` rounds of (period with the op − period without it, measured right before), so slow
     drifts of the machine cancel. Call on both ranks of an initialised 2-rank gloo group, one thread each."""
     _loaded_period_s(None, rank)  # warm-up
-    diffs: dict[str, list[float]] = {op: [] for op in (*LOADED_OPS, "async_all_to_all")}
+    diffs: dict[str, list[float]] = {op: [] for op in (*LOADED_OPS, "async_all_to_all", "async_p2p")}
     for _ in range(LOADED_REPEATS):
         for op in diffs:
             base = _loaded_period_s(None, rank)
             diffs[op].append(_loaded_period_s(op, rank) - base)
-    per_iter = {"p2p": 2}
+    per_iter = {"p2p": 2, "async_p2p": 2}
     return {op: max(0.0, statistics.median(d) / per_iter.get(op, 1)) for op, d in diffs.items()}
 
 
 def measure_gloo() -> tuple[dict[int, float], dict[int, float], dict[str, float]]:
     """(p2p seconds, all-reduce seconds) by message bytes between 2 idle local gloo ranks, and the seconds per
-    message by op between compute bursts (:func:`measure_loaded_gloo`, ``"async_all_to_all"`` included)."""
+    message by op between compute bursts (:func:`measure_loaded_gloo`, the asynchronous ops included)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="moeplan-calibrate-") as tmp:
@@ -362,10 +378,11 @@ def calibrate() -> Calibration:
     matmul, vector, memory, mm_s, mul_s = measure_compute()
     fwd_s, bwd_s = measure_kernel_launch()
     p2p, reduce, loaded = measure_gloo()
-    async_s = loaded.pop("async_all_to_all")
+    async_s, p2p_post_s = loaded.pop("async_all_to_all"), loaded.pop("async_p2p")
     return Calibration(matmul_flops=matmul, vector_flops=vector, memory_bytes_per_s=memory, launch_matmul_s=mm_s,
                        launch_other_s=mul_s, forward_kernel_s=fwd_s, backward_kernel_s=bwd_s, p2p_s=p2p,
-                       all_reduce_s=reduce, loaded_s=loaded, async_all_to_all_s=async_s)
+                       all_reduce_s=reduce, loaded_s=loaded, async_all_to_all_s=async_s,
+                       async_p2p_s=p2p_post_s)
 
 
 def calibrated_target(base: Target, cal: Calibration, *, name: str) -> Target:
@@ -378,6 +395,7 @@ def calibrated_target(base: Target, cal: Calibration, *, name: str) -> Target:
         intra_node=link, inter_node=link, efficiency=Efficiency(compute=1.0, memory=1.0, comm=1.0),
         launch=LaunchCost(matmul_s=cal.launch_matmul_s, other_s=cal.launch_other_s,
                           collective_s=collective_s, collective_latency_s=cal.collective_latency_s(),
+                          p2p_host_s=cal.async_p2p_s,
                           granularity="kernel",
                           forward_kernel_s=cal.forward_kernel_s,
                           backward_kernel_s=cal.backward_kernel_s),
@@ -539,7 +557,9 @@ def write_target(target: Target, cal: Calibration, path: str | Path, *, fit: Lau
              f"#   gloo 2 ranks, {LOADED_BYTES} B between compute bursts (launch.collective_latency_s, less the "
              "transfer time): " + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in sorted(cal.loaded_s.items())),
              f"#   gloo 2 ranks, all-to-all of {LOADED_BYTES} B posted before a compute burst, waited after: "
-             f"{cal.async_all_to_all_s * 1e6:.1f} us (comm_compute_slowdown = that / the blocking all-to-all)"]
+             f"{cal.async_all_to_all_s * 1e6:.1f} us (comm_compute_slowdown = that / the blocking all-to-all)",
+             f"#   gloo 2 ranks, a send and a receive of {LOADED_BYTES} B each posted before a compute burst, waited "
+             f"after: {cal.async_p2p_s * 1e6:.1f} us per message (launch.p2p_host_s)"]
     if fit is not None:
         lines.append(f"# {fit_summary(fit, fit_model)}")
     data = target.model_dump(mode="json", exclude={"variant"})
