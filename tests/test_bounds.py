@@ -87,8 +87,9 @@ def test_compile_reports_the_bound_and_exact_proves_the_optimum(tmp_path):
     d, e = default["search"], exact["search"]
     assert e["bound_s"] is None and e["gap"] == 0 and e["pruned"] > 0 and e["evaluated"] < e["options"]
     assert exact["predicted"]["step_time_s"] <= default["predicted"]["step_time_s"]
-    # the default search simulates its 4 best estimates and at most 4 follow-ups (moeplan/search.py)
-    assert d["evaluated"] <= 8 and d["evaluated"] < e["evaluated"] and d["options"] == e["options"]
+    # the default search simulates its 4 best estimates and at most 4 follow-ups (moeplan/search.py); --exact
+    # simulates at least as many (as many when its bound rules out every other option)
+    assert d["evaluated"] <= 8 and d["evaluated"] <= e["evaluated"] and d["options"] == e["options"]
     if d["bound_s"] is not None:  # some option is left that the bound cannot rule out
         assert d["bound_s"] <= exact["predicted"]["step_time_s"]
         assert d["gap"] == pytest.approx(default["predicted"]["step_time_s"] / d["bound_s"] - 1)

@@ -283,6 +283,10 @@ def test_calibrate_writes_a_target_the_compiler_uses(tmp_path):
     beside = float(line.split("waited after: ", 1)[1].split()[0]) * 1e-6
     assert target.comm_compute_slowdown == pytest.approx(min(10.0, beside / loaded["all_to_all"]), rel=1e-3,
                                                          abs=1e-3)
+    # launch.p2p_host_s: the extra period per message of a send and a receive posted before a burst, waited after
+    line = next(x for x in out.read_text().splitlines() if "(launch.p2p_host_s)" in x)
+    per_message = float(line.split("waited after: ", 1)[1].split()[0]) * 1e-6
+    assert target.launch.p2p_host_s == pytest.approx(per_message, rel=1e-3, abs=5e-7)
     plan = tmp_path / "plan.yaml"
     proc = moeplan("compile", "tiny-pangu", "--target", str(out), "--devices", "2", "--pp", "2", "-o", str(plan))
     assert proc.returncode == 0, proc.stderr
