@@ -510,6 +510,10 @@ class _Context:
     cfg: RunSettings
     progs: dict[tuple[int, str], _Prog] = field(default_factory=dict)
 
+    def steady(self, r: int, index: int) -> bool:
+        """Whether action ``index`` of rank ``r`` lies in the rank's steady window."""
+        return self.windows[r][0] <= index <= self.windows[r][1]
+
     def prog(self, stage: int, kind: str) -> _Prog:
         """Stage ``stage``'s ``kind`` pass compiled for the loop (once per simulation)."""
         p = self.progs.get((stage, kind))
@@ -777,15 +781,15 @@ def _send(st: _State, r: int, send: tuple[_Key, str, int], ready: float, free: f
     """Issue a SEND of ``ready``-produced activations or gradients on the PP link (a priority transfer)."""
     key, text, index = send
     cfg = ctx.cfg
-    steady = ctx.windows[r][0] <= index <= ctx.windows[r][1]
     if cfg.p2p_host_s:
-        ready = free = _post(st, r, max(free, ready), steady, cfg.p2p_host_s)
+        ready = free = _post(st, ctx, r, index, max(free, ready))
     start, _ = _claim_tiers(st, r, [(cfg.p2p_tier, cfg.p2p_s)] if cfg.p2p_s > 0 else [], ready, "pp",
                             priority=True)
     end = start + cfg.p2p_s
     stat = st.stat(r, "pp")
     stat[0] += cfg.p2p_s
     stat[4 if cfg.p2p_tier == "intra" else 5] += cfg.p2p_bytes
+    steady = ctx.steady(r, index)
     if steady:
         stat[2] += cfg.p2p_s
     if "pp" not in cfg.mechanisms and end > free:
@@ -799,11 +803,12 @@ def _send(st: _State, r: int, send: tuple[_Key, str, int], ready: float, free: f
     return free
 
 
-def _post(st: _State, r: int, at: float, steady: bool, seconds: float) -> float:
-    """Hold rank ``r``'s compute stream from ``at`` for a p2p post of ``seconds`` (exposed ``pp`` time); its end."""
-    stat = st.stat(r, "pp")
+def _post(st: _State, ctx: _Context, r: int, index: int, at: float) -> float:
+    """Hold rank ``r``'s compute stream from ``at`` for the p2p post of its action ``index`` (``p2p_host_s``,
+    exposed ``pp`` time); its end."""
+    seconds, stat = ctx.cfg.p2p_host_s, st.stat(r, "pp")
     stat[1] += seconds
-    if steady:
+    if ctx.steady(r, index):
         stat[3] += seconds
     return at + seconds
 
@@ -957,8 +962,7 @@ def _step_rank(st: _State, r: int, rk: _Rank, i: int, ctx: _Context) -> None:
     """Simulate action ``i`` of rank ``r`` (raises _Blocked when it must wait for another rank). SENDs are issued
     when their part finishes; RECVs only mark where an input is awaited."""
     if rk.kinds[i] == "recv" and ctx.cfg.p2p_host_s:
-        steady = ctx.windows[r][0] <= i <= ctx.windows[r][1]
-        st.compute_free[r] = _post(st, r, st.compute_free[r], steady, ctx.cfg.p2p_host_s)
+        st.compute_free[r] = _post(st, ctx, r, i, st.compute_free[r])
     if rk.kinds[i] != "compute":
         return
     keys, text = rk.keys[i], rk.texts[i]
@@ -969,7 +973,7 @@ def _step_rank(st: _State, r: int, rk: _Rank, i: int, ctx: _Context) -> None:
             st.carry[r] = carried = _schedule(st, r, carried, ctx, carry=False)
     inputs = [_input_ready(st, r, k, ctx, i, text) for k in keys]
     pair = len(keys) > 1
-    steady = ctx.windows[r][0] <= i <= ctx.windows[r][1]
+    steady = ctx.steady(r, i)
     labels = text[1:text.index(")")].split(";") if pair else [text]
     new = [_Part(k, label, ctx.prog(k[1], k[0]), ready, produced, remote, pair, steady, st.host[r])
            for k, label, (ready, produced, remote) in zip(keys, labels, inputs)]

@@ -196,8 +196,7 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
     pair = load * (cost.pair + redo) + vpp * cost.pair_edge  # a micro-batch: vpp pairs on a rank
     pairs = max(0, m - pp) if fb and strategy.schedule in FB_PAIRED else 0
     work = (m - pairs) * (f + i + w) + pairs * pair
-    if pp > 1:
-        work += m * 4 * (chunks - 1) / pp * target.launch.p2p_host_s
+    work += m * 4 * (chunks - 1) / pp * target.launch.p2p_host_s  # 0 at pp 1 (vpp is then 1)
     kind = strategy.schedule
     if kind == "1f1b":
         bubble = (pp - 1) * (f + i + w)

@@ -146,7 +146,7 @@ def run_settings(state: PlanState) -> RunSettings:
     p2p = state.sharding.p2p
     return replace(beside_compute(state.target, state.strategy.overlap), p2p_s=p2p.time_s, p2p_tier=p2p.tier,
                    p2p_bytes=p2p.bytes if p2p.time_s else 0.0,
-                   p2p_host_s=state.target.launch.p2p_host_s if state.layout.pp > 1 else 0.0)
+                   p2p_host_s=state.target.launch.p2p_host_s)
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,7 @@ FIT_STEPS = 40
 GROWTH_SIZE = 4
 GROWTH_ROUNDS = 30
 MAX_RATE_SCALE = 10.0
+ASYNC_OPS = ("async_all_to_all", "async_p2p")  # posted before the burst, waited after it (module docstring)
 LOADED_OPS: dict[str, tuple[float, int]] = {  # op -> (multiple of S/B, α steps) at 2 ranks (cost_models/comm.py)
     "p2p": (1.0, 1), "all_gather": (1.0, 1), "all_to_all": (0.5, 1), "all_reduce": (1.0, 2),
     "reduce_scatter": (0.5, 1)}
@@ -330,30 +331,26 @@ def _loaded_period_s(op: str | None, rank: int) -> float:
     t0 = time.perf_counter()
     for _ in range(LOADED_ITERS):
         if op == "async_all_to_all":
-            work = dist.all_to_all_single(out, buf, async_op=True)
-            _burst(x, w)
-            work.wait()
-            continue
-        if op == "async_p2p":  # each rank posts a send and a receive, as a pipeline rank does (two messages)
+            works = [dist.all_to_all_single(out, buf, async_op=True)]
+        elif op == "async_p2p":  # each rank posts a send and a receive, as a pipeline rank does (two messages)
             works = [dist.isend(buf, 1 - rank), dist.irecv(out, 1 - rank)]
-            _burst(x, w)
-            for work in works:
-                work.wait()
-            continue
+        else:
+            works = []
         _burst(x, w)
-        if op is not None:
+        for work in works:
+            work.wait()
+        if op is not None and not works:
             _comm_op(op, rank, buf, out)
     return (time.perf_counter() - t0) / LOADED_ITERS
 
 
 def measure_loaded_gloo(rank: int) -> dict[str, float]:
     """Effective seconds per message of each op of ``LOADED_OPS`` (``LOADED_BYTES`` per rank) while both ranks
-    compute, and of ``"async_all_to_all"`` and ``"async_p2p"`` (posted before the burst, waited after; module
-    docstring): the median
-    over ``LOADED_REPEATS`` rounds of (period with the op − period without it, measured right before), so slow
-    drifts of the machine cancel. Call on both ranks of an initialised 2-rank gloo group, one thread each."""
+    compute, and of ``ASYNC_OPS`` (posted before the burst, waited after; module docstring): the median over
+    ``LOADED_REPEATS`` rounds of (period with the op − period without it, measured right before), so slow drifts of
+    the machine cancel. Call on both ranks of an initialised 2-rank gloo group, one thread each."""
     _loaded_period_s(None, rank)  # warm-up
-    diffs: dict[str, list[float]] = {op: [] for op in (*LOADED_OPS, "async_all_to_all", "async_p2p")}
+    diffs: dict[str, list[float]] = {op: [] for op in (*LOADED_OPS, *ASYNC_OPS)}
     for _ in range(LOADED_REPEATS):
         for op in diffs:
             base = _loaded_period_s(None, rank)
