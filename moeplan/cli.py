@@ -290,6 +290,8 @@ def run_cmd(
     force_balanced_routing: bool = typer.Option(False, "--force-balanced-routing",
                                                 help="benchmarking: route every token to random experts (balanced "
                                                      "routing, as the plan assumes); changes training"),
+    no_pin: bool = typer.Option(False, "--no-pin", help="cpu plans: do not bind each rank to its own core (by "
+                                                        "default rank i runs on the i-th CPU this process may use)"),
 ) -> None:
     """Train with PLAN: local processes for a cpu target, the torchrun command for cuda/npu (or run under it).
 
@@ -320,7 +322,7 @@ def run_cmd(
     request = RunRequest(plan=absolute(plan_path), steps=steps, metrics=absolute(metrics), data=absolute(data),
                          checkpoint_every=checkpoint_every, checkpoint_dir=absolute(checkpoint_dir), resume=resume,
                          seed=seed, lr=lr, timeout_s=timeout, meter_every=meter_every,
-                         force_balanced_routing=force_balanced_routing)
+                         force_balanced_routing=force_balanced_routing, no_pin=no_pin)
     if resume:  # refused here in one line, not by a traceback per rank (under torchrun too)
         from moeplan.runtime.checkpoint import check_layout, newest_checkpoint
 

@@ -14,6 +14,9 @@ repeats after a warm-up (the median is used for the gloo figures):
   multiply (one aten kernel plus one autograd node), and the backward, per node (one kernel plus the engine's
   bookkeeping). An eager training step pays these per aten op: the trace counts the ops of each node.
   ``training_dtype`` is ``fp32``, the runtime's dtype on CPU;
+The 2 gloo ranks are bound one to a core each, as ``moeplan run`` binds its ranks
+(moeplan.runtime.launch.pin_to_cpu): each rank's gloo transport threads then run on its own core.
+
 - gloo α–β between 2 local ranks: ``t_p2p(S)`` (half a ping-pong) and ``t_ar(S)`` (all-reduce) for message sizes
   up to 16 MiB. The comm model (cost_models/comm.py) has ``p2p = S/B + α + L`` and 2-rank ``all_reduce = S/B + 2α
   + L`` (L = ``launch.collective_s``), so from the smallest message ``α = t_ar − t_p2p`` and ``L = 2·t_p2p −
@@ -44,16 +47,16 @@ repeats after a warm-up (the median is used for the gloo figures):
   extra period over the bare bursts, E, measured in the same rounds. The simulator charges a compute segment
   ``comm_compute_slowdown`` × the time it overlaps a collective in flight (cost_models/timeline.py): with the
   all-to-all priced at its loaded cost L and the burst longer than L, that is ``σ·L``, so ``σ = E / L``. On 2
-  ranks over 2 cores gloo's transport threads take their CPU time from the ranks' compute: measured here E ≈
-  0.4–0.5 ms against L ≈ 1.0 ms (σ ≈ 0.4–0.5) after 0.9 ms bursts, and ≈ 0.5–0.57 ms against 1.2–1.4 ms after
-  2.5–3.4 ms bursts, so an asynchronous collective hides about half its cost, not all of it.
+  ranks over 2 cores gloo's transport threads take their CPU time from the ranks' compute: σ 0.30, 0.33 and 0.43 in
+  three runs here with the ranks bound (0.4–0.5 unbound), so an asynchronous collective hides about two thirds of
+  its cost, not all of it.
 - ``launch.p2p_host_s`` (what a pipeline p2p message costs the compute thread of each side): the same loop with
   each rank posting an ``isend`` and an ``irecv`` to the other before each burst and waiting for both after it —
   what the runtime's SEND and early-posted RECV do (moeplan.runtime.executor) — its extra period over the bare
-  bursts per message. Measured here 340–380 µs per message after 0.9 ms and 2.7 ms bursts, about the blocking p2p's
-  330–420 µs: posting a gloo p2p asynchronously hides almost none of it when no core is idle (the post itself
-  takes ≈0.1 ms at the median with a tail to 3 ms: the transport thread waits for a core). The simulator charges
-  it on the compute stream at every SEND and RECV (cost_models/timeline.py).
+  bursts per message. Measured here 300, 305 and 405 µs per message in three runs with the ranks bound (340–380 µs
+  unbound, about the blocking p2p's 330–420 µs): posting a gloo p2p asynchronously hides little of it when no core
+  is idle, because the transport thread's work shares the rank's core. The simulator charges it on the compute
+  stream at every SEND and RECV (cost_models/timeline.py).
 
 Optionally (``fit_model``) three factors are then fitted to that model run on this machine. First the rate scale
 ``u`` (every op's roofline time × ``u``: the compute and memory efficiencies ÷ ``u``, at least 1): the model's eager
@@ -100,6 +103,7 @@ import yaml
 
 from moeplan.files import write_atomic
 from moeplan.plan import Plan
+from moeplan.runtime.launch import pin_to_cpu
 from moeplan.runtime.parallel import all_gather_flat, reduce_scatter_flat
 from moeplan.spec import ModelSpec
 from moeplan.targets import Efficiency, LaunchCost, Link, Target, load_target
@@ -267,6 +271,7 @@ def _gloo_rank(rank: int, port: int, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    pin_to_cpu(rank, 2)  # as `moeplan run` binds its ranks, before gloo starts its threads
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     result: dict[str, dict[int, float]] = {"p2p": {}, "all_reduce": {}}
     for size in MESSAGE_BYTES:

@@ -10,7 +10,8 @@
   machine lacks. ``load_plan`` has already checked the schema version and the plan's consistency.
 - :func:`launch_local` starts ``num_devices`` processes of :mod:`moeplan.runtime.worker` on this machine with
   torch.distributed's own elastic launcher (what ``torchrun --standalone`` runs: c10d rendezvous on localhost, no
-  restarts, ``OMP_NUM_THREADS=1`` per rank). If a rank dies (signal or exception), the agent stops the others and
+  restarts, ``OMP_NUM_THREADS=1`` per rank, each rank bound to its own core by the worker: :func:`pin_to_cpu`).
+  If a rank dies (signal or exception), the agent stops the others and
   :class:`RunFailed` names the first failed rank. A signal to the launcher (Ctrl-C: SIGINT to the whole process
   group) stops every rank and raises :class:`RunInterrupted`; the ranks themselves exit quietly
   (:func:`moeplan.runtime.worker.exit_on_interrupt`).
@@ -81,6 +82,8 @@ class RunRequest:
     force_balanced_routing: bool = False
     """Benchmarking switch that changes training: every router picks its experts from random scores
     (moeplan.runtime.expert_parallel.ParallelRouter), so routing is balanced as the plan assumes."""
+    no_pin: bool = False
+    """On the ``cpu`` backend, leave the ranks free to move between cores (:func:`pin_to_cpu` is skipped)."""
 
     def argv(self) -> list[str]:
         """The plan path, then every set field as its ``moeplan run`` option (``--checkpoint-every 2``)."""
@@ -103,13 +106,30 @@ class RunRequest:
         it = iter(argv[1:])
         for flag in it:
             name = field[flag]
-            values[name] = True if name in ("resume", "force_balanced_routing") else convert.get(name, str)(next(it))
+            flag_only = isinstance(getattr(RunRequest, name, None), bool)
+            values[name] = True if flag_only else convert.get(name, str)(next(it))
         return RunRequest(**values)
 
 
 def _option(name: str) -> str:
     """The ``moeplan run`` option of a RunRequest field."""
     return "--timeout" if name == "timeout_s" else "--" + name.replace("_", "-")
+
+
+def pin_to_cpu(local_rank: int, local_world: int) -> int | None:
+    """Bind every thread of this process to the ``local_rank``-th of the CPUs it may use, so that an emulated
+    ``cpu`` device is one core: its compute, its gloo transport threads and both halves of an OVERLAP_F_B pair
+    share that core. Unbound, a 2-rank run on 2 cores had the same compute times but its ranks' waits for each
+    other's messages grew about 2–3× and its step 1.1–1.35× (docs/runtime.md, "One core per rank"). Returns the
+    CPU, or None (nothing bound) when this machine gives the process fewer usable CPUs than there are local ranks.
+    Raises OSError only if the kernel refuses the binding."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if local_world > len(cpus):
+        return None
+    cpu = cpus[local_rank]
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), {cpu})
+    return cpu
 
 
 def under_torchrun() -> bool:

@@ -64,7 +64,7 @@ from moeplan.runtime.expert_parallel import ParallelMoE, ParallelRouter
 from moeplan.runtime.executor import PipelineExecutor, has_pairs, layer_calls, rank_of
 from moeplan.runtime.groups import ParallelGroups, RankCoords, make_groups, make_stream_groups
 from moeplan.runtime.overlap import PairRunner
-from moeplan.runtime.launch import DIST_BACKEND, RunRequest, check_runnable
+from moeplan.runtime.launch import DIST_BACKEND, RunRequest, check_runnable, pin_to_cpu
 from moeplan.runtime.metrics import (CommTotals, RankStep, SavedActivationMeter, StepRecord, rank_step_from_vector,
                                      rank_step_vector)
 from moeplan.runtime.parallel import CommLog, all_gather_flat
@@ -291,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if plan.target.backend == "cpu" and not request.no_pin:  # before the process group starts its threads
+        pin_to_cpu(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     device = device_for(plan.target.backend, local_rank)
     dist.init_process_group(DIST_BACKEND[plan.target.backend], rank=rank, world_size=world,
                             timeout=timedelta(seconds=request.timeout_s))

@@ -134,15 +134,45 @@ def test_run_request_is_spelled_as_moeplan_run_options():
     from moeplan.runtime.launch import RunRequest
 
     request = RunRequest(plan="/p.yaml", steps=5, metrics="/m.jsonl", data="/d.npy", checkpoint_every=2,
-                         checkpoint_dir="/ck", resume=True, seed=3, lr=0.01, timeout_s=30.0, meter_every=4)
+                         checkpoint_dir="/ck", resume=True, seed=3, lr=0.01, timeout_s=30.0, meter_every=4,
+                         no_pin=True)
     run = typer.main.get_command(app).commands["run"]
     options = {o for p in run.params for o in p.opts}
     argv = request.argv()
     assert [a for a in argv if a.startswith("--")] == [
         "--steps", "--metrics", "--data", "--checkpoint-every", "--checkpoint-dir", "--resume", "--seed", "--lr",
-        "--timeout", "--meter-every"]
+        "--timeout", "--meter-every", "--no-pin"]
     assert {a for a in argv if a.startswith("--")} <= options
     assert RunRequest.parse(argv) == request
+    assert RunRequest.parse(RunRequest(plan="/p.yaml", steps=5).argv()).no_pin is False
+
+
+PIN_PROBE = """
+import json, os, sys, threading
+from moeplan.runtime.launch import pin_to_cpu
+stop = threading.Event()
+before = threading.Thread(target=stop.wait); before.start()      # a thread that exists before the binding
+cpu = pin_to_cpu(int(sys.argv[1]), int(sys.argv[2]))
+after = threading.Thread(target=stop.wait); after.start()        # one started after it
+masks = sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")})
+stop.set(); before.join(); after.join()
+print(json.dumps({"cpu": cpu, "masks": masks}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="binding threads to CPUs needs Linux")
+def test_pin_to_cpu_binds_every_thread_of_the_rank_to_one_core():
+    def probe(local_rank: int, local_world: int) -> dict:
+        out = subprocess.run([sys.executable, "-c", PIN_PROBE, str(local_rank), str(local_world)], check=True,
+                             capture_output=True, text=True, timeout=60).stdout
+        return json.loads(out)
+
+    cpus = sorted(os.sched_getaffinity(0))
+    last = probe(len(cpus) - 1, len(cpus))  # the last local rank gets the last usable CPU, every thread bound to it
+    assert last == {"cpu": cpus[-1], "masks": [[cpus[-1]]]}
+    assert probe(0, 1) == {"cpu": cpus[0], "masks": [[cpus[0]]]}
+    # more local ranks than usable CPUs: nothing is bound
+    assert probe(0, len(cpus) + 1) == {"cpu": None, "masks": [cpus]}
 
 
 def test_torchrun_command_needs_whole_nodes(pp2):
