@@ -1,6 +1,7 @@
 """Predicted vs measured on the CPU emulator: tiny-pangu at world size <= 2 (issue 3, "Prediction").
 
-For each layout: ``moeplan compile tiny-pangu --target TARGET ...``, ``moeplan run PLAN --steps N --meter-every 5``,
+For each layout: ``moeplan compile tiny-pangu --target TARGET ...``, ``moeplan run PLAN --steps N --meter-every 5
+--force-balanced-routing``,
 ``moeplan compare PLAN run.jsonl --json``; prints one JSON line per layout (the plan's layout, schedule and overlap,
 predicted and measured step seconds, their ratio, and per PP rank the predicted and measured peak saved-activation
 bytes) and a summary line: the layouts within 15% (step) and 10% (activations), the range of step ratios, and the
@@ -17,6 +18,11 @@ Usage::
 
     moeplan calibrate --target cpu --fit-model tiny-pangu -o cal.yaml      # once per machine
     python benchmarks/cpu_prediction.py --target cal.yaml [--steps 40] [--only pp2,dp2] [--workdir DIR]
+
+The runs route tokens to random experts (``--force-balanced-routing``) because the plan prices balanced routing:
+the routing of an untrained tiny-pangu is not balanced, so at EP 2 one rank's experts get more tokens and the
+other rank waits for it at every all-to-all, which the plan does not model. ``--natural-routing`` measures with
+the model's own router instead.
 
 Timings are only meaningful on a quiet machine: each emulated device is one single-threaded process. With
 ``--fit-model tiny-pangu`` the calibration's forward and backward launch scales are fitted on ``1dev-mb1`` (a
@@ -45,12 +51,13 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def measure(name: str, *, target: str, steps: int, workdir: Path) -> dict:
+def measure(name: str, *, target: str, steps: int, workdir: Path, balanced: bool = True) -> dict:
     """Compile, run and compare one layout; the comparison's step time and peak saved activations."""
     plan, metrics = workdir / f"{name}.yaml", workdir / f"{name}.jsonl"
     moeplan_cli("compile", "tiny-pangu", "--target", target, "--global-batch", "8", "--seq-len", "64", *LAYOUTS[name],
          "-o", str(plan))
-    moeplan_cli("run", str(plan), "--steps", str(steps), "--meter-every", "5", "--metrics", str(metrics))
+    moeplan_cli("run", str(plan), "--steps", str(steps), "--meter-every", "5", "--metrics", str(metrics),
+                *(("--force-balanced-routing",) if balanced else ()))
     rows = {r["quantity"]: r for r in json.loads(moeplan_cli("compare", str(plan), str(metrics), "--json"))}
     from moeplan.plan import load_plan
 
@@ -74,15 +81,18 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(LAYOUTS), help="comma-separated layout names")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--no-fit-point", action="store_true", help="do not run the fit point again after each layout")
+    ap.add_argument("--natural-routing", action="store_true", help="route with the model's router, not at random")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="moeplan-pred-") as tmp:
         workdir = Path(args.workdir or tmp)
         (workdir / "fit-point").mkdir(parents=True, exist_ok=True)
         results = []
         for name in args.only.split(","):
-            row = measure(name, target=args.target, steps=args.steps, workdir=workdir)
+            balanced = not args.natural_routing
+            row = measure(name, target=args.target, steps=args.steps, workdir=workdir, balanced=balanced)
             if not args.no_fit_point and name != "1dev-mb1":
-                fit = measure("1dev-mb1", target=args.target, steps=args.steps, workdir=workdir / "fit-point")
+                fit = measure("1dev-mb1", target=args.target, steps=args.steps, workdir=workdir / "fit-point",
+                              balanced=balanced)
                 row["fit_point_ratio"] = fit["step_ratio"]
                 row["step_ratio_over_fit_point"] = round(row["step_ratio"] / fit["step_ratio"], 3)
             results.append(row)

@@ -12,6 +12,9 @@ Usage::
     moeplan calibrate --target cpu --fit-model tiny-pangu -o cal.yaml      # once per machine
     python benchmarks/fb_overlap.py --target cal.yaml [--steps 30] [--seq-len 64]
 
+The runs route tokens to random experts (``--force-balanced-routing``, as the plan assumes; ``--natural-routing``
+uses the model's router, whose imbalance adds waits the plan does not price).
+
 Timings are only meaningful on a quiet machine (each emulated device is one single-threaded process); run it twice.
 """
 from __future__ import annotations
@@ -25,7 +28,8 @@ from pathlib import Path
 from cli_runs import moeplan_cli
 
 
-def measure(overlap: str, *, target: str, steps: int, warmup: int, seq_len: int, workdir: Path) -> dict:
+def measure(overlap: str, *, target: str, steps: int, warmup: int, seq_len: int, workdir: Path,
+            balanced: bool = True) -> dict:
     """Compile and run one plan; predicted and measured EP wait and step time (seconds)."""
     from moeplan.plan import load_plan
     from moeplan.runtime.compare import read_records
@@ -34,7 +38,8 @@ def measure(overlap: str, *, target: str, steps: int, warmup: int, seq_len: int,
     moeplan_cli("compile", "tiny-pangu", "--target", target, "--devices", "2", "--tp", "1", "--pp", "1", "--ep", "2",
          "--micro-batch", "1", "--global-batch", "8", "--seq-len", str(seq_len), "--schedule", "1f1b",
          "--dispatcher", "flat", "--overlap", overlap, "-o", str(plan_path))
-    moeplan_cli("run", str(plan_path), "--steps", str(steps), "--meter-every", "1", "--metrics", str(metrics))
+    moeplan_cli("run", str(plan_path), "--steps", str(steps), "--meter-every", "1", "--metrics", str(metrics),
+                *(("--force-balanced-routing",) if balanced else ()))
     plan = load_plan(plan_path)
     records = [r for r in read_records(metrics) if r.step > warmup]
     ep = statistics.median(statistics.mean(rank.comm_s.get("ep", 0.0) for rank in r.ranks) for r in records)
@@ -52,10 +57,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--natural-routing", action="store_true", help="route with the model's router, not at random")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="moeplan-fb-") as tmp:
         rows = {o: measure(o, target=args.target, steps=args.steps, warmup=args.warmup, seq_len=args.seq_len,
-                           workdir=Path(tmp)) for o in ("none", "fb")}
+                           workdir=Path(tmp), balanced=not args.natural_routing) for o in ("none", "fb")}
     for row in rows.values():
         print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}))
     predicted = rows["none"]["ep_wait_predicted_s"] - rows["fb"]["ep_wait_predicted_s"]
