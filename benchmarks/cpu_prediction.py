@@ -86,9 +86,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="moeplan-pred-") as tmp:
         workdir = Path(args.workdir or tmp)
         (workdir / "fit-point").mkdir(parents=True, exist_ok=True)
-        results = []
+        results, balanced = [], not args.natural_routing
         for name in args.only.split(","):
-            balanced = not args.natural_routing
             row = measure(name, target=args.target, steps=args.steps, workdir=workdir, balanced=balanced)
             if not args.no_fit_point and name != "1dev-mb1":
                 fit = measure("1dev-mb1", target=args.target, steps=args.steps, workdir=workdir / "fit-point",
