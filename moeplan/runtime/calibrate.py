@@ -1,7 +1,9 @@
 """``moeplan calibrate --target cpu``: measure this machine and write a calibrated CPU target (docs/architecture.md §5, §7).
 
 Measured with one thread (each emulated device is one process with ``OMP_NUM_THREADS=1``), fp32, best of a few
-repeats after a warm-up (the median is used for the gloo figures):
+repeats after a warm-up (the median is used for the gloo figures). The 2 gloo ranks are bound one to a core each,
+as ``moeplan run`` binds its ranks (moeplan.runtime.launch.pin_to_cpu), so each rank's gloo transport threads run
+on its own core:
 
 - ``cube_flops``: ``2·n³ / t`` of an ``n×n×n`` matmul (the largest of ``MATMUL_SIZES``), an achieved rate;
 - ``vector_flops``: ``N / t`` of an ``N``-element add; ``hbm_bandwidth_bytes_per_s`` (and the host copy rate):
@@ -14,9 +16,6 @@ repeats after a warm-up (the median is used for the gloo figures):
   multiply (one aten kernel plus one autograd node), and the backward, per node (one kernel plus the engine's
   bookkeeping). An eager training step pays these per aten op: the trace counts the ops of each node.
   ``training_dtype`` is ``fp32``, the runtime's dtype on CPU;
-The 2 gloo ranks are bound one to a core each, as ``moeplan run`` binds its ranks
-(moeplan.runtime.launch.pin_to_cpu): each rank's gloo transport threads then run on its own core.
-
 - gloo α–β between 2 local ranks: ``t_p2p(S)`` (half a ping-pong) and ``t_ar(S)`` (all-reduce) for message sizes
   up to 16 MiB. The comm model (cost_models/comm.py) has ``p2p = S/B + α + L`` and 2-rank ``all_reduce = S/B + 2α
   + L`` (L = ``launch.collective_s``), so from the smallest message ``α = t_ar − t_p2p`` and ``L = 2·t_p2p −
@@ -69,9 +68,9 @@ ops are small (64-wide) and many are neither (softmax, index ops, concatenations
 F + B grew by 9.7 ms from 1 to 4 sequences where the peak rates priced 3.6 ms (u ≈ 2.7), so with a fit of the launch
 costs alone every layout with micro-batches above 1 was predicted too fast (F × 1.13 and B × 1.25 from 1 to 4
 sequences predicted, × 1.48 and × 1.60 measured; benchmarks/microbatch_scaling.py). Then, with ``u`` in place, the
-launch costs are scaled by two factors fitted to a measured 1-device ``moeplan run`` of that model (``global_batch`` sequences in micro-batches of 1: the runtime's executor, parallel layers and
-ZeRO-1 AdamW; the medians over steps 5–39 of the F and of the B seconds per step its metrics record): ``k_f`` on the
-forward costs (``forward_kernel_s``, and the per-op ``matmul_s`` / ``other_s`` of the ``"op"`` granularity) so that
+launch costs are scaled by two factors fitted to a measured 1-device ``moeplan run`` of that model
+(``global_batch`` sequences in micro-batches of 1: the runtime's executor, parallel layers and ZeRO-1 AdamW; the
+medians over steps 5–39 of the F and of the B seconds per step its metrics record): ``k_f`` on the forward costs (``forward_kernel_s``, and the per-op ``matmul_s`` / ``other_s`` of the ``"op"`` granularity) so that
 the predicted F seconds equal the measured ones, then, with ``k_f`` in place, ``k_b`` on ``backward_kernel_s`` so
 that the predicted B seconds do. Each prediction is linear in its factor (``T(k) = T(0) + k·(T(1) − T(0))``, so
 ``k = (T_measured − T(0)) / (T(1) − T(0))``). Rationale: the chain measures the bare cost per aten kernel, while a
@@ -84,7 +83,8 @@ the wrong shape. The fit is one calibration of the machine with that model famil
 layout; its layout is reported as the fit point, not as a prediction.
 
 The file keeps the base target's other fields (node size, memory), sets every efficiency to 1 (the figures are
-achieved rates; the fitted rate scale then divides the compute and memory ones) and is written atomically; ``moeplan compile ... --target FILE`` loads it.
+achieved rates; the fitted rate scale then divides the compute and memory ones) and is written atomically;
+``moeplan compile ... --target FILE`` loads it.
 """
 from __future__ import annotations
 
