@@ -7,6 +7,8 @@ compute that consumes its output waits for it; whatever else is ready may run be
 
 Forward order of a decoder layer (dense, MoE, the MTP block's MoE layer), Megatron-LM's under TP + SP:
 
+0. (the embedding layer, and the MTP block's embedding of the shifted tokens) the lookup in the rank's vocabulary
+   shard → TP reduce-scatter of the partial embeddings onto the SP slice;
 1. the input norm (and, for MLA, the q/kv down projections and their norms, which run on the sequence slice);
 2. TP all-gather of the attention input (MLA: of the latents) → the per-head up projections → CP all-gather of K, V
    → core attention and the output projection → TP reduce-scatter;
@@ -25,8 +27,9 @@ dispatch's a combine of gradients) and each compute step's dX; a dependency ``X 
 
 Collective sizes (bytes per rank, as cost_models/comm.py counts them) are those the runtime sends
 (moeplan/runtime): per TP block an all-gather and a reduce-scatter each way (Korthikanti et al. arXiv 2205.05198
-§4.2.2), CP's all-gather of K and V (Megatron-LM context parallel, all-gather variant), the EP dispatcher of
-cost_models/dispatch.py, expert-TP's gathers of rows and routing, and the one-fp32 loss all-reduce over CP.
+§4.2.2), the embeddings' reduce-scatter, CP's all-gather of K and V (Megatron-LM context parallel, all-gather
+variant), the EP dispatcher of cost_models/dispatch.py, expert-TP's gathers of rows and routing, the head's
+cross-entropy statistics gather over TP (:func:`tp_loss`) and the one-fp32 loss all-reduce over CP.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from moeplan.targets import Target
 
 COUNT_BYTES = 8  # one int64 token count per expert, exchanged before each dispatch
 LOSS_BYTES = 4  # one fp32 loss value
+LOSS_STATS_BYTES = 8  # per token: the shard's log-sum-exp and its label logit, fp32
 FP8_ROW_BYTES = 1 + 4 / 128  # e4m3 element + one fp32 scale per 1×128 tile (DeepSeek-V3 arXiv 2412.19437 §3.3.2)
 _DOWN = frozenset({"q_a", "q_a_norm", "kv_a", "kv_norm", "rope_k"})
 
@@ -142,6 +146,18 @@ def cp_loss(layout: Layout, target: Target) -> CommOp | None:
         return None
     tier = group_tier(stride=layout.tp, group_size=layout.cp, devices_per_node=target.devices_per_node)
     return _single("cp", "all_reduce", "fwd", LOSS_BYTES, layout.cp, tier, target)
+
+
+def tp_loss(layout: Layout, target: Target) -> CommOp | None:
+    """Under TP the vocab-parallel cross-entropy all-gathers, per token of the micro-batch's CP slice, each shard's
+    log-sum-exp and label logit (fp32, :data:`LOSS_STATS_BYTES`) in forward; its backward needs no collective
+    (moeplan.runtime.tensor_parallel.vocab_parallel_cross_entropy). Megatron-LM's ``_VocabParallelCrossEntropy``
+    moves the same values in three all-reduces of one fp32 per token."""
+    if layout.tp == 1:
+        return None
+    tier = group_tier(stride=1, group_size=layout.tp, devices_per_node=target.devices_per_node)
+    tokens = layout.micro_batch * layout.seq_len // layout.cp
+    return _single("tp", "all_gather", "fwd", tokens * LOSS_STATS_BYTES, layout.tp, tier, target)
 
 
 def routing_of(spec: ModelSpec) -> Routing:
@@ -350,13 +366,29 @@ def _moe_steps(ops: Sequence[OpAnnotation], prev: str, c: MoeComm, has_shared: b
     return steps
 
 
+def _embedding_steps(ops: Sequence[OpAnnotation], pair: TpPair | None, rest: str) -> list[Step]:
+    """The ops up to a vocab-parallel embedding lookup (``embed``), the TP reduce-scatter of its output (each rank
+    holds the rows of its vocabulary shard; Megatron-LM ``VocabParallelEmbedding`` under SP) with the all-gather of
+    the gradient as its mirror, then the remaining ops (``rest``). Without an embedding op or TP: all one step."""
+    at = next((i for i, o in enumerate(ops) if o.op_kind == OpKind.EMBEDDING), None)
+    if at is None or pair is None:
+        return [Step(rest, ops=tuple(ops))] if ops else []
+    steps = [Step("embed", ops=tuple(ops[:at + 1])),
+             Step("embed_scatter", comm=pair.scatter, bwd=pair.gather_grad, after=("embed",))]
+    if at + 1 < len(ops):
+        steps.append(Step(rest, ops=tuple(ops[at + 1:]), after=("embed_scatter",)))
+    return steps
+
+
 def forward_steps(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Target,
                   dispatcher: Dispatcher) -> list[Step]:
     """The forward steps of one layer of ``lg.kind`` (module docstring)."""
     ops = lg.ops
-    if lg.kind in (LayerKind.EMBEDDING, LayerKind.EMPTY) or not ops:
-        return [Step("compute", ops=tuple(ops))] if ops else []
+    if not ops:
+        return []
     act = act_bytes(spec, layout, target)
+    if lg.kind in (LayerKind.EMBEDDING, LayerKind.EMPTY):
+        return _embedding_steps(ops, tp_pair(act, layout, target), "compute")
     if lg.kind in (LayerKind.HEAD, LayerKind.MTP_HEAD):
         pair = tp_pair(act, layout, target)
         first_tp = next((i for i, o in enumerate(ops) if o.shard == ShardHint.TP and o.op_kind != OpKind.ELEMENTWISE),
@@ -365,19 +397,20 @@ def forward_steps(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Ta
         steps += _comm_step("head_gather", pair and pair.gather, pair and pair.scatter_grad, "head_norm")
         steps.append(Step("logits_loss", ops=tuple(ops[first_tp:]), after=(steps[-1].name,),
                           bwd_extra=pair.regather if pair else None))
-        steps += _comm_step("cp_loss", cp_loss(layout, target), None, "logits_loss")
+        steps += _comm_step("tp_loss", tp_loss(layout, target), None, "logits_loss")
+        steps += _comm_step("cp_loss", cp_loss(layout, target), None, steps[-1].name)
         return steps
     first_attn = next(i for i, o in enumerate(ops) if _role(o) == "attn")
     last_attn = max(i for i, o in enumerate(ops) if _role(o) == "attn")
     first_mlp = next(i for i, o in enumerate(ops) if _role(o) != "attn" and _role(o) != "glue" and i > last_attn)
-    pre = tuple(ops[:first_attn])
+    pre = ops[:first_attn]
     attn_ops = [o for o in ops[first_attn:last_attn + 1]]
     mid = tuple(o for o in ops[last_attn + 1:first_mlp] if _role(o) == "glue")
     mlp_ops = [o for o in ops[first_mlp:] if _role(o) != "glue"]
     end = tuple(o for o in ops[first_mlp:] if _role(o) == "glue")
     pair = tp_pair(act, layout, target, gathered=attention_gathered(spec, act), regather=False)
-    steps = [Step("pre", ops=pre)]
-    steps += _attention_steps(attn_ops, "pre", pair=pair, cp=cp_pair(spec, layout, target))
+    steps = _embedding_steps(pre, tp_pair(act, layout, target), "pre") or [Step("pre")]
+    steps += _attention_steps(attn_ops, steps[-1].name, pair=pair, cp=cp_pair(spec, layout, target))
     steps.append(Step("mid", ops=mid, after=(steps[-1].name,)))
     if lg.kind == LayerKind.DENSE:
         steps += _ffn_steps(mlp_ops, "mid", tp_pair(act, layout, target))

@@ -305,3 +305,20 @@ def test_layer_dict_is_keyed_by_layer_names():
 def test_rank_coords_rejects_rank_outside_layout():
     with pytest.raises(PlanError, match="rank=4"):
         rank_coords(_plan(TINY, 2, tp=2, etp=2, ep=1, cp=1).layout, 4)
+
+
+@pytest.mark.parametrize("name,etp", [("tp2_sp", 2), ("tp2_extend_ep", 1)])
+def test_tp_collectives_run_are_the_ones_the_plan_prices(world2, name, etp):
+    """One forward and backward runs, per TP (kind, phase), as many collectives as the plan's layers list — the
+    embedding's reduce-scatter (main and MTP) and the cross-entropy's statistics gather (main and MTP head)
+    included, which the plan once left out."""
+    plan = _plan(TINY, 2, tp=2, etp=etp, ep=1, cp=1)
+    want: dict[str, int] = {}
+    for layer, kind in named_layers(TINY):
+        for c in plan.sharding.layers[kind.value].collectives:
+            if c.comm_class == "tp":
+                key = f"tp/{c.kind}/{c.phase}"
+                want[key] = want.get(key, 0) + 1
+    assert want["tp/reduce_scatter/fwd"] > 0
+    for res in world2[name]:
+        assert {k: v for k, v in res["comm_calls"].items() if k.startswith("tp/")} == want
