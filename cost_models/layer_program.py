@@ -14,7 +14,8 @@ Forward order of a decoder layer (dense, MoE, the MTP block's MoE layer), Megatr
    → core attention and the output projection → TP reduce-scatter;
 3. dense FFN: TP all-gather → SwiGLU → TP reduce-scatter;
 4. MoE: router and permute → (shared experts' TP all-gather) → the dropless count exchange (the host waits for the
-   counts) → (expert-TP gather of the routing) → EP dispatch → (expert-TP all-gather of the rows) → grouped experts
+   counts) → EP dispatch → (expert-TP gather of the row counts, the host waits for them; expert-TP all-gather
+   of the rows) → grouped experts
    → (expert-TP reduce-scatter) → EP combine → unpermute; the shared experts' first GEMMs (w1, w3, SwiGLU) are
    issued right after the dispatch and the last (w2) after the combine: with the ``shared-expert`` mechanism
    (Megatron-LM ``--moe-shared-expert-overlap``) the dispatch and combine then run beside them.
@@ -226,6 +227,17 @@ def count_exchange(spec: ModelSpec, layout: Layout, target: Target, dispatcher: 
                   wire_intra_bytes=intra, wire_inter_bytes=inter)
 
 
+def etp_counts(spec: ModelSpec, layout: Layout, target: Target) -> CommOp | None:
+    """Expert-TP: before the uneven all-gather of the dispatched rows, the all-gather over etp of how many rows
+    each peer received for each of its local experts (int64 ``[expert group, local experts]``, ``8E`` bytes per rank
+    with an even placement); the host waits for them to size the gather (Megatron-LM
+    ``MoEAlltoAllTokenDispatcher.dispatch_postprocess``; moeplan's runtime ``ParallelMoE._experts``)."""
+    if layout.etp == 1:
+        return None
+    tier = group_tier(stride=1, group_size=layout.etp, devices_per_node=target.devices_per_node)
+    return _single("ep", "all_gather", "fwd", COUNT_BYTES * spec.num_experts, layout.etp, tier, target)
+
+
 def etp_pair(nbytes: float, layout: Layout, target: Target) -> tuple[CommOp, CommOp] | None:
     """Expert-TP: all-gather of ``nbytes`` per rank over etp in forward, reduce-scatter of the gradient in
     backward."""
@@ -300,6 +312,7 @@ class MoeComm:
     dispatch_grad: CommOp | None  # the backward mirror of the dispatch: a combine of gradients
     combine: CommOp | None
     combine_grad: CommOp | None  # the backward mirror of the combine: a dispatch of gradients
+    etp_counts: CommOp | None
     etp_rows: tuple[CommOp, CommOp] | None
     etp_rows_back: tuple[CommOp, CommOp] | None  # reduce-scatter in forward, all-gather in backward
     dropless: bool
@@ -318,7 +331,7 @@ def moe_comm(spec: ModelSpec, layout: Layout, target: Target, dispatcher: Dispat
         dispatch_grad=ep_transfer(spec, layout, target, dispatcher, "bwd", dispatch_direction=False),
         combine=ep_transfer(spec, layout, target, dispatcher, "fwd", dispatch_direction=False, metadata=False),
         combine_grad=ep_transfer(spec, layout, target, dispatcher, "bwd", dispatch_direction=True, metadata=False),
-        etp_rows=rows, etp_rows_back=back,
+        etp_counts=etp_counts(spec, layout, target), etp_rows=rows, etp_rows_back=back,
         dropless=spec.capacity_factor is None)
 
 
@@ -346,8 +359,9 @@ def _moe_steps(ops: Sequence[OpAnnotation], prev: str, c: MoeComm, has_shared: b
     shared_in = "shared_gather" if has_shared and pair else prev
     if has_shared:
         steps.append(Step("shared_fc1", ops=fc1, after=(shared_in,), bwd_extra=pair.regather if pair else None))
-    steps += _comm_step("etp_gather", c.etp_rows and c.etp_rows[0], c.etp_rows and c.etp_rows[1],
-                        "dispatch" if c.dispatch or c.dispatch_grad else last)
+    steps += _comm_step("etp_counts", c.etp_counts, None, "dispatch" if c.dispatch or c.dispatch_grad else last,
+                        host_sync=True)
+    steps += _comm_step("etp_gather", c.etp_rows and c.etp_rows[0], c.etp_rows and c.etp_rows[1], steps[-1].name)
     feed = [s.name for s in steps if s.name in ("dispatch", "etp_gather")] or ["route"]
     steps.append(Step("experts", ops=experts, after=tuple(feed)))
     steps += _comm_step("etp_scatter", c.etp_rows_back and c.etp_rows_back[0],
