@@ -28,7 +28,7 @@ and probabilities (fp32) per token, 12·top_k bytes (DeepEP ``topk_idx``/``topk_
 sends a gate, an expert id and a keep flag per copy, also 12·top_k bytes). They go with the dispatch and with its
 backward mirror (the gradient of the dispatched rows, routing columns included, returns the way they came), not
 with the combine, which returns ``h`` values a row, nor with the combine's backward mirror (``metadata=False``).
-The count exchange that sizes a dropless dispatch is priced by moeplan.cost_models.layer_program.count_exchange.
+The count exchange that sizes the dispatch is priced by moeplan.cost_models.layer_program.count_exchange.
 """
 from __future__ import annotations
 

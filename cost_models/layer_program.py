@@ -13,7 +13,8 @@ Forward order of a decoder layer (dense, MoE, the MTP block's MoE layer), Megatr
 2. TP all-gather of the attention input (MLA: of the latents) → the per-head up projections → CP all-gather of K, V
    → core attention and the output projection → TP reduce-scatter;
 3. dense FFN: TP all-gather → SwiGLU → TP reduce-scatter;
-4. MoE: router and permute → (shared experts' TP all-gather) → the dropless count exchange (the host waits for the
+4. MoE: router and permute → (shared experts' TP all-gather) → (drop-and-pad: the gather of the chosen experts
+   over tp×cp) → the count exchange (the host waits for the
    counts) → EP dispatch → (expert-TP gather of the row counts, the host waits for them; expert-TP all-gather
    of the rows) → grouped experts
    → (expert-TP reduce-scatter) → EP combine → unpermute; the shared experts' first GEMMs (w1, w3, SwiGLU) are
@@ -194,7 +195,7 @@ def ep_transfer(spec: ModelSpec, layout: Layout, target: Target, dispatcher: Dis
 
 
 def count_exchange(spec: ModelSpec, layout: Layout, target: Target, dispatcher: Dispatcher = "flat") -> CommOp | None:
-    """The all-to-all of token counts that sizes a dropless dispatch (int64s: Megatron-LM
+    """The all-to-all of token counts that sizes the dispatch, dropless or not (int64s: Megatron-LM
     ``MoEAlltoAllTokenDispatcher.preprocess``; moeplan's runtime ``exchange_counts``), as the runtime sends it:
 
     - ``flat`` (and ``dedup`` within one node): ``E/n`` counts (one per expert of the receiving rank) to each of the
@@ -225,6 +226,18 @@ def count_exchange(spec: ModelSpec, layout: Layout, target: Target, dispatcher: 
                                  target=target))
     return CommOp("ep", "all_to_all", "fwd", counts, n, "inter" if inter > 0 else "intra", t,
                   wire_intra_bytes=intra, wire_inter_bytes=inter)
+
+
+def capacity_gather(spec: ModelSpec, layout: Layout, target: Target) -> CommOp | None:
+    """Drop-and-pad (``capacity_factor``) under TP or CP: the all-gather over the tp×cp group (stride 1) of each
+    rank's chosen experts (int64 ``[own tokens, k]``), so that every rank drops the same slots as the whole
+    micro-batch would (moeplan's runtime ``ParallelMoE._keep``). None when dropless or tp·cp = 1."""
+    n = layout.tp * layout.cp
+    if spec.capacity_factor is None or n == 1:
+        return None
+    tokens = layout.micro_batch * layout.seq_len // n
+    tier = group_tier(stride=1, group_size=n, devices_per_node=target.devices_per_node)
+    return _single("ep", "all_gather", "fwd", tokens * spec.top_k * COUNT_BYTES, n, tier, target)
 
 
 def etp_counts(spec: ModelSpec, layout: Layout, target: Target) -> CommOp | None:
@@ -315,7 +328,7 @@ class MoeComm:
     etp_counts: CommOp | None
     etp_rows: tuple[CommOp, CommOp] | None
     etp_rows_back: tuple[CommOp, CommOp] | None  # reduce-scatter in forward, all-gather in backward
-    dropless: bool
+    capacity: CommOp | None  # drop-and-pad: the chosen experts gathered over tp×cp
 
 
 def moe_comm(spec: ModelSpec, layout: Layout, target: Target, dispatcher: Dispatcher) -> MoeComm:
@@ -332,7 +345,7 @@ def moe_comm(spec: ModelSpec, layout: Layout, target: Target, dispatcher: Dispat
         combine=ep_transfer(spec, layout, target, dispatcher, "fwd", dispatch_direction=False, metadata=False),
         combine_grad=ep_transfer(spec, layout, target, dispatcher, "bwd", dispatch_direction=True, metadata=False),
         etp_counts=etp_counts(spec, layout, target), etp_rows=rows, etp_rows_back=back,
-        dropless=spec.capacity_factor is None)
+        capacity=capacity_gather(spec, layout, target))
 
 
 def _moe_steps(ops: Sequence[OpAnnotation], prev: str, c: MoeComm, has_shared: bool) -> list[Step]:
@@ -353,7 +366,8 @@ def _moe_steps(ops: Sequence[OpAnnotation], prev: str, c: MoeComm, has_shared: b
     else:  # expert-TP without shared experts: the block's TP gather before routing (moeplan's runtime)
         steps = _comm_step("moe_gather", pair and pair.gather, pair and pair.scatter_grad, prev) + [
             Step("route", ops=route, after=("moe_gather" if pair else prev,))]
-    steps += _comm_step("ep_counts", c.counts if c.dropless else None, None, "route", host_sync=True)
+    steps += _comm_step("capacity_gather", c.capacity, None, "route")
+    steps += _comm_step("ep_counts", c.counts, None, "capacity_gather" if c.capacity else "route", host_sync=True)
     last = steps[-1].name
     steps += _comm_step("dispatch", c.dispatch, c.dispatch_grad, steps[-1].name, async_by=overlap)
     shared_in = "shared_gather" if has_shared and pair else prev

@@ -23,7 +23,7 @@ Model (one PP group; DP replicas and TP/EP peers are symmetric, so a collective 
   slower for the overlapping time (the SMs or memory bandwidth the communication kernels take).
 - **Host.** The host issues one launch per kernel (``kernels`` of a compute segment, one per collective), each
   taking ``host_launch_s``; a segment cannot start before its first kernel is issued nor end before its last. The
-  host runs ahead of the device except after a ``host_sync`` segment (the dropless dispatcher's count copy): then it
+  host runs ahead of the device except after a ``host_sync`` segment (the dispatcher's count copy): then it
   waits for the device to reach that point, plus ``host_sync_s``. With ``host_launch_s = 0`` the host never limits.
 - **Pipeline.** A SEND starts when its F/B (or I) has finished — every segment of it — and the tier the PP link
   uses is free; with mechanism ``pp`` it runs beside compute, otherwise the sender's compute stream waits for it.

@@ -87,8 +87,8 @@ class Segment:
     the overlap mechanism under which the compute stream does not wait for it right away (``"shared-expert"``,
     ``"native"`` for one the runtime always issues asynchronously); otherwise, and always when the mechanism is
     off, the compute stream waits for it (a blocking NCCL/HCCL call on the compute stream). ``host_sync``: the host
-    waits for this segment to finish before it issues anything else (the dropless dispatcher copies the per-expert
-    token counts to the host).
+    waits for this segment to finish before it issues anything else (the dispatcher copies the per-expert token
+    counts to the host).
     """
 
     name: str

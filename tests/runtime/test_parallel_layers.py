@@ -27,7 +27,7 @@ from moeplan.errors import PlanError
 from moeplan.models import DEFAULT_MTP_WEIGHT, ModelLosses, MoEModel
 from moeplan.plan import Plan
 from moeplan.runtime.build import LayerDict, build_rank_modules, rank_parameters, tp_replicated_params
-from moeplan.ir import named_layers
+from moeplan.ir import LayerKind, named_layers
 from moeplan.models import TokenPermute
 from moeplan.runtime.expert_parallel import capacity_keep
 from moeplan.runtime.parallel import CommLog, all_reduce_grads
@@ -130,13 +130,17 @@ def _max_rel_err(params, model: MoEModel, attr: str) -> tuple[float, str]:
     return worst, worst_name
 
 
-def _planned_calls(plan: Plan) -> dict[str, int]:
-    """The collectives the plan prices for one forward and backward of the whole model, by class/kind/phase."""
+def _planned_calls(plan: Plan, case: Case) -> dict[str, int]:
+    """The collectives the plan prices for one forward and backward of the whole model, by class/kind/phase, plus
+    what this test adds: with an auxiliary loss (not a plan option) under TP or CP, each MoE layer gathers its
+    expert counts over tp×cp (moeplan.runtime.expert_parallel.ParallelRouter)."""
     calls: dict[str, int] = {}
     for _, kind in named_layers(plan.model.spec):
         for c in plan.sharding.layers[kind.value].collectives:
             key = f"{c.comm_class}/{c.kind}/{c.phase}"
             calls[key] = calls.get(key, 0) + 1
+        if case.aux_loss_coeff and plan.layout.tp * plan.layout.cp > 1 and kind in (LayerKind.MOE, LayerKind.MTP):
+            calls["ep/all_gather/fwd"] = calls.get("ep/all_gather/fwd", 0) + 1
     return calls
 
 
@@ -164,7 +168,7 @@ def _check(case: Case, rank: int) -> dict:
     return dict(out, loss=loss.item(), ref_loss=ref_loss, loss_err=abs(loss.item() - ref_loss) / abs(ref_loss),
                 grad_err=worst, worst_param=worst_name, wall_s=time.perf_counter() - t0,
                 comm_bytes={"/".join(k): v for k, v in comm.bytes.items()},
-                comm_calls={"/".join(k): v for k, v in comm.calls.items()}, planned_calls=_planned_calls(plan),
+                comm_calls={"/".join(k): v for k, v in comm.calls.items()}, planned_calls=_planned_calls(plan, case),
                 tp_grad_bytes=tp_bytes,
                 replicated_numel=sum(p.numel() for p in replicated))
 
@@ -318,13 +322,13 @@ def test_rank_coords_rejects_rank_outside_layout():
         rank_coords(_plan(TINY, 2, tp=2, etp=2, ep=1, cp=1).layout, 4)
 
 
-@pytest.mark.parametrize("world,name", [("world2", c) for c in ("tp2_sp", "tp2_extend_ep", "ep2_dp2", "cp2")]
-                         + [("world4", c) for c in ("tp2_etp2_ep2_dp2", "tp4_etp2")])
+@pytest.mark.parametrize("world,name", [("world2", c) for c in ("tp2_sp", "tp2_extend_ep", "ep2_dp2", "cp2",
+                                                                  "ep2_cp2_drop_grouplimited_aux")]
+                         + [("world4", c) for c in ("tp2_etp2_ep2_dp2", "gqa_moge_drop_tp2_cp2_ep2", "tp4_etp2")])
 def test_collectives_run_are_the_ones_the_plan_prices(request, world, name):
     """One forward and backward runs, per (class, kind, phase), as many collectives as the plan's layers list —
-    the embeddings' TP reduce-scatter, the cross-entropy's statistics gather and the expert-TP row-count gather
-    included, which the plan once left out. (The drop-and-pad cases are left out: there the runtime also gathers
-    the chosen experts over tp×cp and exchanges counts, which the plan does not price yet, and the auxiliary loss
-    of these tests gathers its counts.)"""
+    the embeddings' TP reduce-scatter, the cross-entropy's statistics gather, the expert-TP row-count gather and,
+    under drop-and-pad, the gather of the chosen experts and the count exchange included, which the plan once left
+    out."""
     for res in request.getfixturevalue(world)[name]:
         assert res["planned_calls"] and res["comm_calls"] == res["planned_calls"]
