@@ -14,10 +14,9 @@ Forward order of a decoder layer (dense, MoE, the MTP block's MoE layer), Megatr
    → core attention and the output projection → TP reduce-scatter;
 3. dense FFN: TP all-gather → SwiGLU → TP reduce-scatter;
 4. MoE: router and permute → (shared experts' TP all-gather) → (drop-and-pad: the gather of the chosen experts
-   over tp×cp) → the count exchange (the host waits for the
-   counts) → EP dispatch → (expert-TP gather of the row counts, the host waits for them; expert-TP all-gather
-   of the rows) → grouped experts
-   → (expert-TP reduce-scatter) → EP combine → unpermute; the shared experts' first GEMMs (w1, w3, SwiGLU) are
+   over tp×cp) → the count exchange (the host waits for the counts) → EP dispatch → (expert-TP gather of the row
+   counts, the host waits for them; expert-TP all-gather of the rows) → grouped experts → (expert-TP
+   reduce-scatter) → EP combine → unpermute; the shared experts' first GEMMs (w1, w3, SwiGLU) are
    issued right after the dispatch and the last (w2) after the combine: with the ``shared-expert`` mechanism
    (Megatron-LM ``--moe-shared-expert-overlap``) the dispatch and combine then run beside them.
 
@@ -30,8 +29,9 @@ dispatch's a combine of gradients) and each compute step's dX; a dependency ``X 
 Collective sizes (bytes per rank, as cost_models/comm.py counts them) are those the runtime sends
 (moeplan/runtime): per TP block an all-gather and a reduce-scatter each way (Korthikanti et al. arXiv 2205.05198
 §4.2.2), the embeddings' reduce-scatter, CP's all-gather of K and V (Megatron-LM context parallel, all-gather
-variant), the EP dispatcher of cost_models/dispatch.py, expert-TP's gathers of rows and routing, the head's
-cross-entropy statistics gather over TP (:func:`tp_loss`) and the one-fp32 loss all-reduce over CP.
+variant), the EP dispatcher of cost_models/dispatch.py, expert-TP's gathers of row counts and rows, the
+drop-and-pad gather of the chosen experts, the head's cross-entropy statistics gather over TP (:func:`tp_loss`)
+and the one-fp32 loss all-reduce over CP.
 """
 from __future__ import annotations
 
