@@ -3,6 +3,7 @@ shortlist option, the figures it reports are the ones the code computes, and the
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import subprocess
 import sys
@@ -163,20 +164,28 @@ def test_explore_cli_writes_csv_and_png(tmp_path):
     assert '"verified": 1' in proc.stdout
 
 
+@functools.cache
+def _estimate_cases() -> list[tuple]:
+    """(layout, strategy, cost, keyword arguments) of estimate_step for tiny-pangu's shortlist on 8 H100s: built
+    once, as they do not depend on the load."""
+    spec = load_spec("tiny-pangu")
+    target = load_target("h100")
+    graph = _graph(spec)
+    slots = [k for _, k in named_layers(spec)]
+    counts = Counter(slots)
+    cases = []
+    for lay, st in shortlist([spec], target=target, num_devices=8, keep=40):
+        kw = dict(weights=slot_weights(graph, slots), slots=tuple(int(k in SLOT_KINDS) for k in slots),
+                  params=stage_params(lay, graph, counts), target=target)
+        cases.append((lay, st, model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, {}), kw))
+    return cases
+
+
 @settings(max_examples=25, deadline=None)
 @given(load=hs.floats(1.0, 3.0), more=hs.floats(0.0, 2.0))
 def test_estimate_never_falls_as_the_busiest_rank_gets_more(load, more):
     """What the screen's bound relies on: estimate_step is non-decreasing in ``load``."""
-    spec = load_spec("tiny-pangu")
-    target = load_target("h100")
-    options = shortlist([spec], target=target, num_devices=8, keep=40)
-    graph = _graph(spec)
-    slots = [k for _, k in named_layers(spec)]
-    counts = Counter(slots)
-    for lay, st in options:
-        kw = dict(weights=slot_weights(graph, slots), slots=tuple(int(k in SLOT_KINDS) for k in slots),
-                  params=stage_params(lay, graph, counts), target=target)
-        cost = model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, {})
+    for lay, st, cost, kw in _estimate_cases():
         lo = estimate_step(lay, st, cost, load=load, **kw).step_s
         assert estimate_step(lay, st, cost, load=load + more, **kw).step_s >= lo - 1e-15
 
