@@ -98,7 +98,8 @@ def summarize(name: str, plan: Path, runs: list[dict[str, dict]], fit: list[floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="a calibrated cpu target YAML (moeplan calibrate)")
-    ap.add_argument("--steps", type=int, default=20, help="steps per run (the comparison takes the median of steps >= 5)")
+    ap.add_argument("--steps", type=int, default=20,
+                    help="steps per run (the comparison takes the median of steps >= 5)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every layout, interleaved")
     ap.add_argument("--only", default=",".join(LAYOUTS), help="comma-separated layout names")
     ap.add_argument("--workdir", default=None)
@@ -125,10 +126,10 @@ def main() -> None:
         results = [summarize(n, plans[n], runs[n], fit) for n in names]
     for row in results:
         print(json.dumps(row), flush=True)
-    within = [r["layout"] for r in results if abs(r["step_ratio"] - 1) <= 0.15
-              and all(abs(p["ratio"] - 1) <= 0.10 for p in r["peak_saved_bytes"].values())]
+    step_ok = [r for r in results if abs(r["step_ratio"] - 1) <= 0.15]
+    within = [r["layout"] for r in step_ok if all(abs(p["ratio"] - 1) <= 0.10 for p in r["peak_saved_bytes"].values())]
     summary = {"layouts": len(results), "rounds": args.rounds, "within_15pct_step_and_10pct_activations": within,
-               "within_15pct_step": [r["layout"] for r in results if abs(r["step_ratio"] - 1) <= 0.15],
+               "within_15pct_step": [r["layout"] for r in step_ok],
                "step_ratio_range": [min(r["step_ratio"] for r in results), max(r["step_ratio"] for r in results)]}
     adjusted = [r for r in results if "step_ratio_over_fit_point" in r]
     if adjusted:

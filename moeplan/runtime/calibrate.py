@@ -70,8 +70,9 @@ costs alone every layout with micro-batches above 1 was predicted too fast (F ×
 sequences predicted, × 1.48 and × 1.60 measured; benchmarks/microbatch_scaling.py). Then, with ``u`` in place, the
 launch costs are scaled by two factors fitted to a measured 1-device ``moeplan run`` of that model
 (``global_batch`` sequences in micro-batches of 1: the runtime's executor, parallel layers and ZeRO-1 AdamW; the
-medians over steps 5–39 of the F and of the B seconds per step its metrics record): ``k_f`` on the forward costs (``forward_kernel_s``, and the per-op ``matmul_s`` / ``other_s`` of the ``"op"`` granularity) so that
-the predicted F seconds equal the measured ones, then, with ``k_f`` in place, ``k_b`` on ``backward_kernel_s`` so
+medians over steps 5–39 of the F and of the B seconds per step its metrics record): ``k_f`` on the forward costs
+(``forward_kernel_s``, and the per-op ``matmul_s`` / ``other_s`` of the ``"op"`` granularity) so that the
+predicted F seconds equal the measured ones, then, with ``k_f`` in place, ``k_b`` on ``backward_kernel_s`` so
 that the predicted B seconds do. Each prediction is linear in its factor (``T(k) = T(0) + k·(T(1) − T(0))``, so
 ``k = (T_measured − T(0)) / (T(1) − T(0))``). Rationale: the chain measures the bare cost per aten kernel, while a
 training step also runs the runtime's Python code between kernels (module calls, reshapes, routing, the executor's

@@ -11,10 +11,9 @@
 - :func:`launch_local` starts ``num_devices`` processes of :mod:`moeplan.runtime.worker` on this machine with
   torch.distributed's own elastic launcher (what ``torchrun --standalone`` runs: c10d rendezvous on localhost, no
   restarts, ``OMP_NUM_THREADS=1`` per rank, each rank bound to its own core by the worker: :func:`pin_to_cpu`).
-  If a rank dies (signal or exception), the agent stops the others and
-  :class:`RunFailed` names the first failed rank. A signal to the launcher (Ctrl-C: SIGINT to the whole process
-  group) stops every rank and raises :class:`RunInterrupted`; the ranks themselves exit quietly
-  (:func:`moeplan.runtime.worker.exit_on_interrupt`).
+  If a rank dies (signal or exception), the agent stops the others and :class:`RunFailed` names the first failed
+  rank. A signal to the launcher (Ctrl-C: SIGINT to the whole process group) stops every rank and raises
+  :class:`RunInterrupted`; the ranks themselves exit quietly (:func:`moeplan.runtime.worker.exit_on_interrupt`).
 - :func:`torchrun_command` is the command to run on every node for a ``cuda``/``npu`` target (or for any target,
   ``moeplan run --print-command``); it runs ``moeplan run`` with the same options on every rank.
 
