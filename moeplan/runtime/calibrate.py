@@ -57,20 +57,26 @@ on its own core:
   is idle, because the transport thread's work shares the rank's core. The simulator charges it on the compute
   stream at every SEND and RECV (cost_models/timeline.py).
 
-Optionally (``fit_model``) three factors are then fitted to that model run on this machine. First the rate scale
-``u`` (every op's roofline time × ``u``: the compute and memory efficiencies ÷ ``u``, at least 1): the model's eager
-forward and backward (moeplan.models.MoEModel) at micro-batches of 1 and ``GROWTH_SIZE`` sequences, the two sizes
-interleaved for ``GROWTH_ROUNDS`` rounds so that both see the same machine (its speed drifts by up to 1.45× within
-minutes on the development VM), give how much a micro-batch's F + B grows with its tokens; the predicted growth is
+Optionally (``fit_model``) three factors are then fitted to that model run on this machine by ``moeplan run``
+(the runtime's executor, parallel layers and ZeRO-1 AdamW, one device, meters off): two plans of ``global_batch``
+sequences, in micro-batches of 1 and of ``GROWTH_SIZE`` sequences, run in turn for ``FIT_ROUNDS`` rounds of
+``FIT_STEPS`` steps, and each plan's F and B seconds per step are the medians over the steps from
+``FIT_FIRST_STEP`` on of all its rounds (:func:`measure_runtime_fb_s`). Both figures come from the code the
+predictions are for, in the same phases of the machine (whose speed drifts by up to 1.45× within minutes on the
+development VM). Before, the growth was measured on the model's single-process eager step and the 1-device step by
+one 40-step run a minute later: the eager step grew by 11.1 and 11.8 ms from 1 to 4 sequences in two back-to-back
+calibrations where the runtime grew by 9.0, 9.7 and 8.5 ms in the next three, so the rate scale came out 2.3–3.0
+instead of 2.1–2.3. The launch factors vary from one calibration to the next with the tiny chains' timing of the
+bare per-kernel cost above (forward × 2.38, 1.64, 2.83 in those three): what the fit sets is their product.
+First the rate scale ``u`` (every op's roofline time × ``u``: the compute and memory efficiencies ÷ ``u``, at
+least 1): how much a micro-batch's F + B grows from 1 to ``GROWTH_SIZE`` sequences; the predicted growth is
 linear in ``u`` (the launch costs cancel: a micro-batch of any size launches the same kernels), and ``u`` makes it
 equal the measured one. Why: the peak rates above come from a 512³ matmul and a 4M-element add, while the model's
 ops are small (64-wide) and many are neither (softmax, index ops, concatenations); on tiny-pangu a micro-batch's
 F + B grew by 9.7 ms from 1 to 4 sequences where the peak rates priced 3.6 ms (u ≈ 2.7), so with a fit of the launch
 costs alone every layout with micro-batches above 1 was predicted too fast (F × 1.13 and B × 1.25 from 1 to 4
 sequences predicted, × 1.48 and × 1.60 measured; benchmarks/microbatch_scaling.py). Then, with ``u`` in place, the
-launch costs are scaled by two factors fitted to a measured 1-device ``moeplan run`` of that model
-(``global_batch`` sequences in micro-batches of 1: the runtime's executor, parallel layers and ZeRO-1 AdamW; the
-medians over steps 5–39 of the F and of the B seconds per step its metrics record): ``k_f`` on the forward costs
+launch costs are scaled by two factors fitted to the micro-batch-1 plan's F and B: ``k_f`` on the forward costs
 (``forward_kernel_s``, and the per-op ``matmul_s`` / ``other_s`` of the ``"op"`` granularity) so that the
 predicted F seconds equal the measured ones, then, with ``k_f`` in place, ``k_b`` on ``backward_kernel_s`` so
 that the predicted B seconds do. Each prediction is linear in its factor (``T(k) = T(0) + k·(T(1) − T(0))``, so
@@ -117,9 +123,10 @@ LOADED_BYTES = 64 * 64 * 4
 BURST_OPS = 100
 LOADED_ITERS = 40
 LOADED_REPEATS = 15
-FIT_STEPS = 40
+FIT_ROUNDS = 3
+FIT_STEPS = 16
+FIT_FIRST_STEP = 3
 GROWTH_SIZE = 4
-GROWTH_ROUNDS = 30
 MAX_RATE_SCALE = 10.0
 ASYNC_OPS = ("async_all_to_all", "async_p2p")  # posted before the burst, waited after it (module docstring)
 LOADED_OPS: dict[str, tuple[float, int]] = {  # op -> (multiple of S/B, α steps) at 2 ranks (cost_models/comm.py)
@@ -424,50 +431,29 @@ class LaunchFit:
     predicted_growth_s: float
 
 
-def measure_runtime_actions_s(plan: Plan, *, steps: int = FIT_STEPS, first_step: int = 5) -> tuple[float, float]:
-    """The F and B seconds per step of ``moeplan run`` executing the 1-device ``plan`` on this machine (the
-    runtime's own process, executor and optimizer, meters off): the medians over steps ``first_step..steps-1`` of
-    the per-step sums the metrics record (``action_s``), as ``moeplan compare`` takes them."""
+def measure_runtime_fb_s(plans: dict[int, Plan], *, rounds: int = FIT_ROUNDS, steps: int = FIT_STEPS,
+                         first_step: int = FIT_FIRST_STEP) -> dict[int, tuple[float, float]]:
+    """Per key of ``plans`` (1-device plans), the F and B seconds per step of ``moeplan run`` executing it on this
+    machine (the runtime's own process, executor and optimizer, meters off): the plans run one after the other,
+    ``rounds`` times, ``steps`` steps each, so that every plan sees the same phases of the machine (its speed drifts
+    by up to 1.45× within minutes on the development VM); each figure is the median over the steps
+    ``first_step..steps-1`` of all rounds of the per-step sums the metrics record (``action_s``), as ``moeplan
+    compare`` takes them."""
     from moeplan.plan import save_plan
     from moeplan.runtime.compare import read_records
     from moeplan.runtime.launch import RunRequest, launch_local
 
+    samples: dict[int, list[tuple[float, float]]] = {key: [] for key in plans}
     with tempfile.TemporaryDirectory(prefix="moeplan-calibrate-") as tmp:
-        path, metrics = os.path.join(tmp, "plan.yaml"), os.path.join(tmp, "run.jsonl")
-        save_plan(plan, path)
-        launch_local(plan, RunRequest(plan=path, steps=steps, metrics=metrics, meter_every=steps + 1))
-        records = [r for r in read_records(metrics) if r.step >= first_step]
-    return tuple(statistics.median(r.ranks[0].action_s.get(kind, 0.0) for r in records)  # type: ignore[return-value]
-                 for kind in ("F", "B"))
-
-
-def measure_model_fb_s(spec: ModelSpec, sizes: tuple[int, ...], *, rounds: int = GROWTH_ROUNDS,
-                       warmup: int = 5) -> dict[int, tuple[float, float]]:
-    """Per micro-batch size (sequences of ``spec.seq_len`` tokens), the median (F, B) seconds of the model's eager
-    forward and backward (moeplan.models.MoEModel, one thread), the sizes interleaved round after round so that
-    each sees the same machine (its speed drifts by up to 1.45× within minutes on the development VM)."""
-    from moeplan.models import MoEModel
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = MoEModel(spec, seed=0)
-        tokens = torch.randint(0, spec.vocab_size, (max(sizes), spec.seq_len + 1),
-                               generator=torch.Generator().manual_seed(0))
-        times: dict[int, list[tuple[float, float]]] = {s: [] for s in sizes}
-        for round_ in range(warmup + rounds):
-            for s in sizes:
-                t0 = time.perf_counter()
-                loss = model(tokens[:s, :-1], tokens[:s, 1:])
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-                model.zero_grad(set_to_none=True)
-                if round_ >= warmup:
-                    times[s].append((t1 - t0, t2 - t1))
-    finally:
-        torch.set_num_threads(threads)
-    return {s: (statistics.median(f for f, _ in ts), statistics.median(b for _, b in ts)) for s, ts in times.items()}
+        for round_ in range(rounds):
+            for key, plan in plans.items():
+                path, metrics = os.path.join(tmp, f"{key}.yaml"), os.path.join(tmp, f"{key}-{round_}.jsonl")
+                save_plan(plan, path)
+                launch_local(plan, RunRequest(plan=path, steps=steps, metrics=metrics, meter_every=steps + 1))
+                samples[key] += [(r.ranks[0].action_s.get("F", 0.0), r.ranks[0].action_s.get("B", 0.0))
+                                 for r in read_records(metrics) if r.step >= first_step]
+    return {key: (statistics.median(f for f, _ in ts), statistics.median(b for _, b in ts))
+            for key, ts in samples.items()}
 
 
 def predicted_actions_s(plan: Plan) -> tuple[float, float]:
@@ -480,10 +466,10 @@ def predicted_actions_s(plan: Plan) -> tuple[float, float]:
 
 def fit_launch_scale(spec: ModelSpec, target: Target) -> LaunchFit:
     """Fit ``target``'s rate scale and forward and backward launch-cost scales to ``spec`` run on this machine
-    (module docstring): the rate scale to the growth of a micro-batch's F + B seconds from 1 to
-    ``GROWTH_SIZE`` sequences (the model's eager step, the sizes interleaved), then the forward scale to the F
-    seconds per step of a measured 1-device ``moeplan run`` (micro-batches of 1, the spec's global batch and
-    sequence length) and, with it, the backward scale to its B seconds."""
+    (module docstring). Two 1-device plans of the spec's global batch and sequence length, micro-batches of 1 and
+    of ``GROWTH_SIZE`` sequences, run in turn for ``FIT_ROUNDS`` rounds (:func:`measure_runtime_fb_s`); the rate
+    scale is fitted to how a micro-batch's F + B seconds grow from the one to the other, then the forward scale to
+    the F seconds per step of the micro-batch-1 plan and, with it, the backward scale to its B seconds."""
     from moeplan.compile import compile_model
     from moeplan.search import Fixed
 
@@ -500,17 +486,19 @@ def fit_launch_scale(spec: ModelSpec, target: Target) -> LaunchFit:
         return sum(predicted_actions_s(plan)) / plan.layout.num_microbatches
 
     sizes = (1, min(GROWTH_SIZE, spec.global_batch))
+    runs = {size: compiled(1.0, 1.0, 1.0, size) for size in dict.fromkeys(sizes)}
+    fb = measure_runtime_fb_s(runs)
     rate, grown, priced = 1.0, 0.0, 0.0
     if sizes[1] > sizes[0]:
-        fb = measure_model_fb_s(spec, sizes)
-        grown = sum(fb[sizes[1]]) - sum(fb[sizes[0]])
+        grown = (sum(fb[sizes[1]]) / runs[sizes[1]].layout.num_microbatches
+                 - sum(fb[sizes[0]]) / runs[sizes[0]].layout.num_microbatches)
         at = {u: per_microbatch_fb(compiled(1.0, 1.0, u, sizes[1])) - per_microbatch_fb(compiled(1.0, 1.0, u))
               for u in (1.0, 2.0)}
         priced = at[1.0]
         rate = min(MAX_RATE_SCALE, max(1.0, 1.0 + (grown - at[1.0]) / (at[2.0] - at[1.0]))) \
             if at[2.0] > at[1.0] else 1.0
-    measured = compiled(1.0, 1.0, rate)  # the plan run, and the forward prediction at scale 1
-    f_meas, b_meas = measure_runtime_actions_s(measured)
+    measured = compiled(1.0, 1.0, rate)  # the forward prediction at scale 1
+    f_meas, b_meas = fb[sizes[0]]
     f0, f1 = predicted_actions_s(compiled(0.0, 1.0, rate))[0], predicted_actions_s(measured)[0]
     kf = linear(f_meas, f0, f1)
     b0, b1 = predicted_actions_s(compiled(kf, 0.0, rate))[1], predicted_actions_s(compiled(kf, 1.0, rate))[1]
