@@ -497,9 +497,8 @@ def fit_launch_scale(spec: ModelSpec, target: Target) -> LaunchFit:
         priced = at[1.0]
         rate = min(MAX_RATE_SCALE, max(1.0, 1.0 + (grown - at[1.0]) / (at[2.0] - at[1.0]))) \
             if at[2.0] > at[1.0] else 1.0
-    measured = compiled(1.0, 1.0, rate)  # the forward prediction at scale 1
     f_meas, b_meas = fb[sizes[0]]
-    f0, f1 = predicted_actions_s(compiled(0.0, 1.0, rate))[0], predicted_actions_s(measured)[0]
+    f0, f1 = (predicted_actions_s(compiled(k, 1.0, rate))[0] for k in (0.0, 1.0))
     kf = linear(f_meas, f0, f1)
     b0, b1 = predicted_actions_s(compiled(kf, 0.0, rate))[1], predicted_actions_s(compiled(kf, 1.0, rate))[1]
     return LaunchFit(forward_scale=kf, backward_scale=linear(b_meas, b0, b1), measured_f_s=f_meas,
