@@ -28,13 +28,11 @@ import tempfile
 from pathlib import Path
 
 from cli_runs import moeplan_cli
-from moeplan.plan import Plan
+from moeplan.plan import Plan, load_plan
 
 
 def compiled(model: str, target: str, size: int, workdir: Path) -> Plan:
     """The 1-device plan of micro-batches of ``size`` sequences (1F1B, no recompute)."""
-    from moeplan.plan import load_plan
-
     path = workdir / f"mb{size}.yaml"
     moeplan_cli("compile", model, "--target", target, "--devices", "1", "--tp", "1", "--pp", "1", "--ep", "1",
                 "--micro-batch", str(size), "--recompute", "none", "-o", str(path))

@@ -445,11 +445,13 @@ def measure_runtime_fb_s(plans: dict[int, Plan], *, rounds: int = FIT_ROUNDS, st
 
     samples: dict[int, list[tuple[float, float]]] = {key: [] for key in plans}
     with tempfile.TemporaryDirectory(prefix="moeplan-calibrate-") as tmp:
+        paths = {key: os.path.join(tmp, f"{key}.yaml") for key in plans}
+        for key, plan in plans.items():
+            save_plan(plan, paths[key])
         for round_ in range(rounds):
             for key, plan in plans.items():
-                path, metrics = os.path.join(tmp, f"{key}.yaml"), os.path.join(tmp, f"{key}-{round_}.jsonl")
-                save_plan(plan, path)
-                launch_local(plan, RunRequest(plan=path, steps=steps, metrics=metrics, meter_every=steps + 1))
+                metrics = os.path.join(tmp, f"{key}-{round_}.jsonl")
+                launch_local(plan, RunRequest(plan=paths[key], steps=steps, metrics=metrics, meter_every=steps + 1))
                 samples[key] += [(r.ranks[0].action_s.get("F", 0.0), r.ranks[0].action_s.get("B", 0.0))
                                  for r in read_records(metrics) if r.step >= first_step]
     return {key: (statistics.median(f for f, _ in ts), statistics.median(b for _, b in ts))
@@ -492,8 +494,8 @@ def fit_launch_scale(spec: ModelSpec, target: Target) -> LaunchFit:
     if sizes[1] > sizes[0]:
         grown = (sum(fb[sizes[1]]) / runs[sizes[1]].layout.num_microbatches
                  - sum(fb[sizes[0]]) / runs[sizes[0]].layout.num_microbatches)
-        at = {u: per_microbatch_fb(compiled(1.0, 1.0, u, sizes[1])) - per_microbatch_fb(compiled(1.0, 1.0, u))
-              for u in (1.0, 2.0)}
+        by_rate = {1.0: runs, 2.0: {size: compiled(1.0, 1.0, 2.0, size) for size in sizes}}
+        at = {u: per_microbatch_fb(p[sizes[1]]) - per_microbatch_fb(p[sizes[0]]) for u, p in by_rate.items()}
         priced = at[1.0]
         rate = min(MAX_RATE_SCALE, max(1.0, 1.0 + (grown - at[1.0]) / (at[2.0] - at[1.0]))) \
             if at[2.0] > at[1.0] else 1.0
