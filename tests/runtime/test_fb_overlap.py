@@ -10,12 +10,14 @@ import os
 import threading
 import time
 
+import torch
 
 from moeplan.compile import compile_model
 from moeplan.cost_models.timeline import parse_action
 from moeplan.plan import save_plan
 from moeplan.runtime.metrics import CommTotals
-from moeplan.runtime.overlap import ComputeStream
+from moeplan.runtime.groups import StreamGroups
+from moeplan.runtime.overlap import ComputeStream, PairRunner
 from moeplan.search import Fixed
 from moeplan.spec import load_spec
 from moeplan.targets import load_target
@@ -73,3 +75,19 @@ def test_compute_stream_charges_idle_time_to_the_collective_that_ends_it():
     before = totals.seconds["ep"]
     stream.acquire("tp")
     assert totals.seconds["tp"] < 0.05 and totals.seconds["ep"] == before
+
+
+def test_pair_worker_thread_uses_the_creators_intra_op_threads():
+    """The backward half's thread runs its kernels with the thread count of the runner's creator, not the process
+    default (which, on a rank bound to one core without OMP_NUM_THREADS=1, ran 2 threads on that core)."""
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    try:
+        torch.set_num_threads(1)
+        runner = PairRunner(StreamGroups(clones={}, classes={}))
+        torch.set_num_threads(2)  # the creator's count at construction is what the worker keeps
+        runner.run(lambda: None, lambda: seen.append(torch.get_num_threads()))
+        runner.close()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1]
