@@ -20,7 +20,10 @@ Model (one PP group; DP replicas and TP/EP peers are symmetric, so a collective 
   pair (each micro-batch's collectives hide under the other's compute; mechanism ``fb``). An ``OVERLAP_F_B`` action
   interleaves the compute segments of its two parts (F, B, F, B, …), each part keeping its own dependencies.
 - **Contention.** While any collective of the rank is in flight, a compute segment runs ``compute_slowdown``
-  slower for the overlapping time (the SMs or memory bandwidth the communication kernels take).
+  slower for the overlapping time (the SMs or memory bandwidth the communication kernels take), or
+  ``slowdown_by_kind[kind]`` where the target gives the collective's kind its own figure (the ``cpu`` emulator,
+  whose gloo collectives of different kinds take different shares of the rank's core: docs/step-model.md §2);
+  with several collectives in flight the largest slow-down counts.
 - **Host.** The host issues one launch per kernel (``kernels`` of a compute segment, one per collective), each
   taking ``host_launch_s``; a segment cannot start before its first kernel is issued nor end before its last. The
   host runs ahead of the device except after a ``host_sync`` segment (the dispatcher's count copy): then it
@@ -196,7 +199,8 @@ def compact(segs: Sequence[Segment]) -> tuple[Segment, ...]:
 @dataclass(frozen=True)
 class RunSettings:
     """What runs beside compute (docs/step-model.md §2): the overlap mechanisms that are on, the compute slow-down
-    while a collective is in flight (a fraction), the host's cost per kernel launch and per sync (seconds), and
+    while a collective is in flight (a fraction; ``slowdown_by_kind``: per collective kind where it has its own),
+    the host's cost per kernel launch and per sync (seconds), and
     the PP link: ``p2p_s`` seconds per transfer of ``p2p_bytes`` on ``p2p_tier``, and ``p2p_host_s`` seconds of
     the compute stream per SEND and per RECV (the target's ``launch.p2p_host_s``)."""
 
@@ -206,6 +210,7 @@ class RunSettings:
     p2p_host_s: float = 0.0
     mechanisms: frozenset[str] = frozenset({"pp"})
     compute_slowdown: float = 0.0
+    slowdown_by_kind: Mapping[str, float] = field(default_factory=dict)
     host_launch_s: float = 0.0
     host_sync_s: float = 0.0
 
@@ -392,7 +397,7 @@ class _Prog:
     (built once per segment list and settings)."""
 
     __slots__ = ("segs", "n", "secs", "is_comm", "after", "kernels", "defer", "blocking", "busy", "sync", "cls",
-                 "wire", "to_comm")
+                 "kind", "wire", "to_comm")
 
     def __init__(self, segs: tuple[Segment, ...], mechanisms: frozenset[str]) -> None:
         self.segs, self.n = segs, len(segs)
@@ -408,6 +413,7 @@ class _Prog:
                      for s in segs]
         self.sync = [s.host_sync for s in segs]
         self.cls = [s.comm.comm_class if s.comm else "" for s in segs]
+        self.kind = [s.comm.kind if s.comm else "" for s in segs]
         self.wire = [(s.comm.wire_intra_bytes, s.comm.wire_inter_bytes) if s.comm else (0.0, 0.0) for s in segs]
         self.to_comm = [0.0] * len(segs)  # compute seconds from a segment to the part's next collective
         run = float("inf")
@@ -458,7 +464,7 @@ class _State:
     prio_free: list[dict[str, float]] = field(default_factory=list)
     tier_cls: list[dict[str, str]] = field(default_factory=list)  # class of the transfer a tier is busy with last
     prio_cls: list[dict[str, str]] = field(default_factory=list)  # the same among priority transfers
-    inflight: list[list[tuple[float, float]]] = field(default_factory=list)
+    inflight: list[list[tuple[float, float, float]]] = field(default_factory=list)  # (begin, end, σ)
     busy: list[float] = field(default_factory=list)
     host_wait: list[float] = field(default_factory=list)
     stats: list[dict[str, list[float]]] = field(default_factory=list)  # class -> [total, exp, st_total, st_exp, in, out]
@@ -563,16 +569,18 @@ def _local_deps(key: _Key, ctx: _Context, r: int) -> list[_Key]:
     return out
 
 
-def _overlap_len(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
-    """Length of [start, end] covered by the union of ``intervals`` (pruned of those that ended before start)."""
+def _slowdown_s(start: float, end: float, intervals: list[tuple[float, float, float]]) -> float:
+    """Extra seconds of a compute segment over [start, end]: ∫ σ(t) dt, σ(t) the largest slow-down of the
+    collectives ``(begin, end, σ)`` in flight at t (``intervals`` pruned of those that ended before start)."""
     intervals[:] = [iv for iv in intervals if iv[1] > start]
-    covered, cur = 0.0, start
-    for a, b in sorted(intervals):
-        a, b = max(a, cur), min(b, end)
-        if b > a:
-            covered += b - a
-            cur = b
-    return covered
+    if len(intervals) == 1:  # the common case: one collective in flight
+        a, b, slow = intervals[0]
+        return slow * max(0.0, min(b, end) - max(a, start))
+    cuts = sorted({start, end, *(t for a, b, _ in intervals for t in (a, b) if start < t < end)})
+    extra = 0.0
+    for lo, hi in zip(cuts, cuts[1:]):
+        extra += (hi - lo) * max((slow for a, b, slow in intervals if a <= lo and b >= hi), default=0.0)
+    return extra
 
 
 def _schedule(st: _State, r: int, parts: list[_Part], ctx: _Context, *, carry: bool) -> list[_Part]:
@@ -591,7 +599,7 @@ def _schedule(st: _State, r: int, parts: list[_Part], ctx: _Context, *, carry: b
         _run_in_order(st, r, parts[0], ctx)
         return []
     free = st.compute_free[r]
-    slow, inflight, detail = cfg.compute_slowdown, st.inflight[r], st.detail is not None
+    inflight, detail = st.inflight[r], st.detail is not None
     # (ready, part, segment): deferrable weight gradients by when ready, with those an earlier call left pooled
     pool = [(p.dep(i)[0], q, i) for q, p in enumerate(parts) for i in p.pool]
     heapq.heapify(pool)
@@ -662,8 +670,8 @@ def _schedule(st: _State, r: int, parts: list[_Part], ctx: _Context, *, carry: b
             st.host_wait[r] += issue - start
             start = issue
         dur = prog.secs[i]
-        if slow and inflight:
-            dur += slow * _overlap_len(start, start + dur, inflight)
+        if inflight:
+            dur += _slowdown_s(start, start + dur, inflight)
         p.host += prog.kernels[i] * h
         end = start + dur
         if end < p.host:
@@ -691,7 +699,7 @@ def _run_in_order(st: _State, r: int, p: _Part, ctx: _Context) -> None:
     prog = p.prog
     secs, is_comm, after, kernels, sync = prog.secs, prog.is_comm, prog.after, prog.kernels, prog.sync
     free, host, ends, ready = st.compute_free[r], p.host, p.ends, p.ready
-    slow, inflight, detail = cfg.compute_slowdown, st.inflight[r], st.detail is not None
+    inflight, detail = st.inflight[r], st.detail is not None
     busy = host_wait = 0.0
     first = -1.0
     for i in range(prog.n):
@@ -718,8 +726,8 @@ def _run_in_order(st: _State, r: int, p: _Part, ctx: _Context) -> None:
             host_wait += issue - start
             start = issue
         dur = secs[i]
-        if slow and inflight:
-            dur += slow * _overlap_len(start, start + dur, inflight)
+        if inflight:
+            dur += _slowdown_s(start, start + dur, inflight)
         host += kernels[i] * h
         end = start + dur if start + dur > host else host
         busy += end - start
@@ -866,8 +874,9 @@ def _issue_comm(st: _State, r: int, p: _Part, i: int, dep: float, host: float, f
     stat[5] += inter
     if p.in_steady:
         stat[2] += secs
-    if ctx.cfg.compute_slowdown:
-        st.inflight[r].append((start, end))
+    slow = ctx.cfg.slowdown_by_kind.get(prog.kind[i], ctx.cfg.compute_slowdown)
+    if slow:
+        st.inflight[r].append((start, end, slow))
     if blocking and end > free:
         _charge_comm_wait(st, r, p, i, free, end)
         free = end

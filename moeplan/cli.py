@@ -422,8 +422,9 @@ def calibrate_cmd(target: str = typer.Option("cpu", "--target", help="base targe
               f"{tgt.launch.other_s * 1e6:.1f} us · gloo {tgt.intra_node.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
               f"α {tgt.intra_node.latency_s * 1e6:.0f} us · under load " + ", ".join(
                   f"{k} {v * 1e6:.0f} us" for k, v in sorted(tgt.launch.collective_latency_s.items()))
-              + f" · comm_compute_slowdown {tgt.comm_compute_slowdown:.2f} · p2p_host_s "
-              f"{tgt.launch.p2p_host_s * 1e6:.0f} us")
+              + f" · comm_compute_slowdown {tgt.comm_compute_slowdown:.2f} (" + ", ".join(
+                  f"{k} {v:.2f}" for k, v in tgt.comm_compute_slowdown_by_kind.items())
+              + f") · p2p_host_s {tgt.launch.p2p_host_s * 1e6:.0f} us")
     out.print(f"calibrated target written to {output}")
 
 

@@ -132,10 +132,12 @@ def stage_program(layer_costs: Sequence[LayerCost], mode: Recompute, activation_
 
 def beside_compute(target: Target, overlap: Iterable[str]) -> RunSettings:
     """What runs beside compute on ``target`` with the mechanisms ``overlap`` on: the compute slow-down while a
-    collective is in flight, and the host's launch and sync costs on a target priced per op (on a ``"kernel"``
-    target they are inside the kernel costs). No PP link (:func:`run_settings` adds it)."""
+    collective is in flight (per collective kind where the target lists it), and the host's launch and sync costs
+    on a target priced per op (on a ``"kernel"`` target they are inside the kernel costs). No PP link
+    (:func:`run_settings` adds it)."""
     host = target.launch.granularity == "op"
     return RunSettings(mechanisms=frozenset(overlap), compute_slowdown=target.comm_compute_slowdown,
+                       slowdown_by_kind=dict(target.comm_compute_slowdown_by_kind),
                        host_launch_s=target.launch.host_launch_s if host else 0.0,
                        host_sync_s=target.launch.host_sync_s if host else 0.0)
 

@@ -192,6 +192,11 @@ class Target(BaseModel):
     comm_compute_slowdown: StrictFloat = Field(default=0.0, ge=0, le=10)
     """How much slower compute runs while a collective of the device is in flight, a fraction (0.33: 33% longer
     for the overlapping time); 0 where unknown."""
+    comm_compute_slowdown_by_kind: dict[CommKind, Annotated[StrictFloat, Field(ge=0, le=10)]] = Field(
+        default_factory=dict)
+    """Per collective kind, ``comm_compute_slowdown`` where the kind has its own (the ``cpu`` emulator, measured by
+    ``moeplan calibrate``: beside compute, gloo's all-gather, reduce-scatter and all-reduce hide far less of their
+    cost than its all-to-all); a kind not listed uses ``comm_compute_slowdown``."""
     runtime: RuntimeSupport = RuntimeSupport()
     """The schedules, dispatchers and overlap mechanisms the target's runtime executes."""
     variant: str | None = None

@@ -127,6 +127,11 @@ def test_a_target_file_by_path_and_bad_fields(tmp_path: Path) -> None:
     with pytest.raises(TargetError) as exc:
         load_target(missing)
     assert "name" in _one_line_error(exc)
+    for bad in ("  broadcast: 0.66", "  all_gather: -0.66"):  # a kind outside the collectives, a negative σ
+        path = _shipped_copy(tmp_path, "cpu", "  all_gather: 0.66", bad)
+        with pytest.raises(TargetError) as exc:
+            load_target(path)
+        assert "comm_compute_slowdown_by_kind" in _one_line_error(exc)
     bad_variants = _shipped_copy(tmp_path, "ascend-910b", "    cube_flops: 294.9e+12", "    - 294.9e+12")
     with pytest.raises(TargetError) as exc:
         load_target(bad_variants, variant="313t")

@@ -242,6 +242,29 @@ def test_compute_slows_while_a_collective_runs_beside_it():
     assert base == pytest.approx(3.2) and slow - base == pytest.approx(0.1)
 
 
+def test_a_collective_kind_with_its_own_slowdown_uses_it():
+    """The dispatch is an all-to-all: with ``slowdown_by_kind`` listing all-to-all at 1.0 (and 0.5 for the rest)
+    the shared expert's 0.4 s inside it takes 0.8, ending at 1.8, so the experts start 0.3 later; a kind not
+    listed keeps ``compute_slowdown``."""
+    segs = moe_like()
+    on = frozenset({"shared-expert"})
+    base = action_time_s([segs], RunSettings(mechanisms=on, compute_slowdown=0.5))
+    own = action_time_s([segs], RunSettings(mechanisms=on, compute_slowdown=0.5, slowdown_by_kind={"all_to_all": 1.0}))
+    other = action_time_s([segs], RunSettings(mechanisms=on, compute_slowdown=0.5,
+                                              slowdown_by_kind={"all_gather": 1.0}))
+    assert own - base == pytest.approx(0.2) and other == pytest.approx(base)
+
+
+def test_overlapping_collectives_slow_compute_by_the_largest_slowdown():
+    """Two collectives in flight at once count once, at the larger σ: [0, 2] at 0.5 and [1, 3] at 1.0 over a 4 s
+    segment: 1 s at 0.5, then 2 s at 1.0."""
+    from moeplan.cost_models.timeline import _slowdown_s
+    assert _slowdown_s(0.0, 4.0, [(0.0, 2.0, 0.5), (1.0, 3.0, 1.0)]) == pytest.approx(0.5 + 2.0)
+    assert _slowdown_s(0.0, 4.0, [(0.0, 2.0, 0.5)]) == pytest.approx(1.0)
+    intervals = [(-2.0, -1.0, 1.0), (3.5, 9.0, 0.2)]  # the first ended before the segment: pruned
+    assert _slowdown_s(0.0, 4.0, intervals) == pytest.approx(0.1) and len(intervals) == 1
+
+
 def test_priority_transfer_does_not_queue_behind_bulk():
     """A SEND issued while a 5 s EP transfer holds the link starts at once (and delays later bulk transfers by its
     own time); the link's bytes are conserved."""

@@ -40,15 +40,18 @@ on its own core:
   all-gather and ≈0.85 ms for an all-to-all of 16 KiB here). α and L are still fitted (least squares of
   ``t_op − volume·S/B = steps·α + L``, each at least 0, :func:`fit_alpha_launch`) for the link fields. It is a
   property of the machine, measured once and used for every layout (no per-layout factor).
-- ``comm_compute_slowdown`` (what a collective in flight costs the compute beside it): the same loop with the
-  all-to-all posted asynchronously (``async_op=True``) before each burst and waited after it — the runtime's
-  asynchronous collectives (the shared experts beside the dispatch, the fb pairs, the DP reduce-scatters) — and its
-  extra period over the bare bursts, E, measured in the same rounds. The simulator charges a compute segment
-  ``comm_compute_slowdown`` × the time it overlaps a collective in flight (cost_models/timeline.py): with the
-  all-to-all priced at its loaded cost L and the burst longer than L, that is ``σ·L``, so ``σ = E / L``. On 2
-  ranks over 2 cores gloo's transport threads take their CPU time from the ranks' compute: σ 0.30, 0.33 and 0.43 in
-  three runs here with the ranks bound (0.4–0.5 unbound), so an asynchronous collective hides about two thirds of
-  its cost, not all of it.
+- ``comm_compute_slowdown_by_kind`` (what a collective in flight costs the compute beside it): the same loop with
+  the collective posted asynchronously (``async_op=True``) before each burst and waited after it — the runtime's
+  asynchronous collectives (the shared experts beside the dispatch, the DP reduce-scatters) — and its extra period
+  over the bare bursts, E, measured in the same rounds, for each of ``ASYNC_KINDS``. The simulator charges a compute
+  segment σ × the time it overlaps a collective in flight (cost_models/timeline.py): with the collective priced at
+  its loaded cost L and the burst longer than L, that is ``σ·L``, so ``σ = E / L``, per kind. On 2 ranks over 2
+  cores gloo's threads take their CPU time from the ranks' compute, and the kinds differ: an all-to-all hides
+  about two thirds of its cost (σ 0.28–0.37 in three calibrations here), while the all-gather, reduce-scatter and
+  all-reduce hide a fifth to a third of theirs (σ 0.61–0.67, 0.77–0.88 and 0.72–0.87). The simulator uses the
+  kind's σ for the collectives of an ``OVERLAP_F_B`` pair's halves too, which block on two threads
+  (docs/step-model.md §6 compares the ways of measuring it). ``comm_compute_slowdown`` is the all-to-all's (the
+  kinds not listed use it).
 - ``launch.p2p_host_s`` (what a pipeline p2p message costs the compute thread of each side): the same loop with
   each rank posting an ``isend`` and an ``irecv`` to the other before each burst and waiting for both after it —
   what the runtime's SEND and early-posted RECV do (moeplan.runtime.executor) — its extra period over the bare
@@ -128,7 +131,8 @@ FIT_STEPS = 16
 FIT_FIRST_STEP = 3
 GROWTH_SIZE = 4
 MAX_RATE_SCALE = 10.0
-ASYNC_OPS = ("async_all_to_all", "async_p2p")  # posted before the burst, waited after it (module docstring)
+ASYNC_KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")  # σ per kind (module docstring)
+ASYNC_OPS = (*(f"async_{kind}" for kind in ASYNC_KINDS), "async_p2p")  # posted before the burst, waited after it
 LOADED_OPS: dict[str, tuple[float, int]] = {  # op -> (multiple of S/B, α steps) at 2 ranks (cost_models/comm.py)
     "p2p": (1.0, 1), "all_gather": (1.0, 1), "all_to_all": (0.5, 1), "all_reduce": (1.0, 2),
     "reduce_scatter": (0.5, 1)}
@@ -148,7 +152,7 @@ class Calibration:
     p2p_s: dict[int, float]
     all_reduce_s: dict[int, float]
     loaded_s: dict[str, float]
-    async_all_to_all_s: float
+    async_s: dict[str, float]
     async_p2p_s: float
 
     @property
@@ -156,11 +160,16 @@ class Calibration:
         return self.matmul_flops[max(self.matmul_flops)]
 
     @property
+    def comm_compute_slowdown_by_kind(self) -> dict[str, float]:
+        """Per collective kind, σ = E / L (module docstring): the extra period of the collective posted
+        asynchronously beside a compute burst over its loaded blocking cost, capped at the target's bound of 10."""
+        return {kind: min(10.0, self.async_s[kind] / self.loaded_s[kind]) if self.loaded_s[kind] > 0 else 0.0
+                for kind in self.async_s}
+
+    @property
     def comm_compute_slowdown(self) -> float:
-        """σ = E / L (module docstring): the extra period of an asynchronous all-to-all beside a compute burst over
-        its loaded blocking cost, capped at the target's bound of 10."""
-        blocking = self.loaded_s["all_to_all"]
-        return min(10.0, self.async_all_to_all_s / blocking) if blocking > 0 else 0.0
+        """The all-to-all's σ: the target's ``comm_compute_slowdown``, for the kinds without their own."""
+        return self.comm_compute_slowdown_by_kind["all_to_all"]
 
     def comm_link(self) -> tuple[Link, float]:
         """(α–β link, launch.collective_s): B from the idle large messages, α and L fitted to the loaded small
@@ -334,17 +343,24 @@ def _comm_op(op: str, rank: int, buf: torch.Tensor, out: torch.Tensor) -> None:
 
 def _loaded_period_s(op: str | None, rank: int) -> float:
     """Seconds per iteration of ``LOADED_ITERS`` iterations of a burst (+ one ``op``), both ranks in step. ``op``
-    ``"async_all_to_all"``: an all-to-all posted before the burst and waited after it; ``"async_p2p"``: an ``isend``
-    and an ``irecv`` to the other rank posted before it and waited after it."""
+    ``"async_<kind>"`` (``ASYNC_KINDS``): that collective posted (``async_op=True``) before the burst and waited
+    after it; ``"async_p2p"``: an ``isend`` and an ``irecv`` to the other rank posted before it and waited after it."""
     import torch.distributed as dist
 
     x, w = torch.randn(64, 64), torch.randn(64, 128)
     buf, out = torch.zeros(LOADED_BYTES // 4), torch.zeros(LOADED_BYTES // 4)
+    gathered = torch.zeros(LOADED_BYTES // 2)  # 2 ranks' buf
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(LOADED_ITERS):
         if op == "async_all_to_all":
             works = [dist.all_to_all_single(out, buf, async_op=True)]
+        elif op == "async_all_gather":  # the same calls as _comm_op's, asynchronous
+            works = [all_gather_flat(gathered, buf, async_op=True)]
+        elif op == "async_reduce_scatter":
+            works = [reduce_scatter_flat(out[:out.numel() // 2], buf, async_op=True)]
+        elif op == "async_all_reduce":
+            works = [dist.all_reduce(buf, async_op=True)]
         elif op == "async_p2p":  # each rank posts a send and a receive, as a pipeline rank does (two messages)
             works = [dist.isend(buf, 1 - rank), dist.irecv(out, 1 - rank)]
         else:
@@ -388,16 +404,16 @@ def calibrate() -> Calibration:
     matmul, vector, memory, mm_s, mul_s = measure_compute()
     fwd_s, bwd_s = measure_kernel_launch()
     p2p, reduce, loaded = measure_gloo()
-    async_s, p2p_post_s = loaded.pop("async_all_to_all"), loaded.pop("async_p2p")
+    async_s = {kind: loaded.pop(f"async_{kind}") for kind in ASYNC_KINDS}
+    p2p_post_s = loaded.pop("async_p2p")
     return Calibration(matmul_flops=matmul, vector_flops=vector, memory_bytes_per_s=memory, launch_matmul_s=mm_s,
                        launch_other_s=mul_s, forward_kernel_s=fwd_s, backward_kernel_s=bwd_s, p2p_s=p2p,
-                       all_reduce_s=reduce, loaded_s=loaded, async_all_to_all_s=async_s,
-                       async_p2p_s=p2p_post_s)
+                       all_reduce_s=reduce, loaded_s=loaded, async_s=async_s, async_p2p_s=p2p_post_s)
 
 
 def calibrated_target(base: Target, cal: Calibration, *, name: str) -> Target:
     """``base`` with the measured figures (every efficiency 1: they are achieved rates), ``"kernel"`` launch
-    granularity, ``fp32`` training and the measured ``comm_compute_slowdown``."""
+    granularity, ``fp32`` training and the measured compute slow-downs (``comm_compute_slowdown`` and per kind)."""
     link, collective_s = cal.comm_link()
     return base.model_copy(update=dict(
         name=name, cube_flops=cal.cube_flops, vector_flops=cal.vector_flops,
@@ -409,7 +425,8 @@ def calibrated_target(base: Target, cal: Calibration, *, name: str) -> Target:
                           granularity="kernel",
                           forward_kernel_s=cal.forward_kernel_s,
                           backward_kernel_s=cal.backward_kernel_s),
-        training_dtype="fp32", comm_compute_slowdown=cal.comm_compute_slowdown, variant=None))
+        training_dtype="fp32", comm_compute_slowdown=cal.comm_compute_slowdown,
+        comm_compute_slowdown_by_kind=cal.comm_compute_slowdown_by_kind, variant=None))
 
 
 @dataclass(frozen=True)
@@ -548,8 +565,9 @@ def write_target(target: Target, cal: Calibration, path: str | Path, *, fit: Lau
                for s in sorted(cal.p2p_s)),
              f"#   gloo 2 ranks, {LOADED_BYTES} B between compute bursts (launch.collective_latency_s, less the "
              "transfer time): " + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in sorted(cal.loaded_s.items())),
-             f"#   gloo 2 ranks, all-to-all of {LOADED_BYTES} B posted before a compute burst, waited after: "
-             f"{cal.async_all_to_all_s * 1e6:.1f} us (comm_compute_slowdown = that / the blocking all-to-all)",
+             f"#   gloo 2 ranks, {LOADED_BYTES} B posted before a compute burst, waited after: "
+             + ", ".join(f"{kind} {t * 1e6:.1f} us" for kind, t in cal.async_s.items())
+             + " (comm_compute_slowdown_by_kind = each / its blocking cost; comm_compute_slowdown: all_to_all's)",
              f"#   gloo 2 ranks, a send and a receive of {LOADED_BYTES} B each posted before a compute burst, waited "
              f"after: {cal.async_p2p_s * 1e6:.1f} us per message (launch.p2p_host_s)"]
     if fit is not None:

@@ -308,11 +308,15 @@ def test_calibrate_writes_a_target_the_compiler_uses(tmp_path):
         {op: max(0.0, t - LOADED_OPS[op][0] * LOADED_BYTES / bandwidth) for op, t in loaded.items()},
         rel=1e-3, abs=5e-7)
     assert target.inter_node == target.intra_node
-    # comm_compute_slowdown: the asynchronous all-to-all's extra period beside compute over its blocking cost
-    line = next(x for x in out.read_text().splitlines() if "posted before a compute burst" in x)
-    beside = float(line.split("waited after: ", 1)[1].split()[0]) * 1e-6
-    assert target.comm_compute_slowdown == pytest.approx(min(10.0, beside / loaded["all_to_all"]), rel=1e-3,
-                                                         abs=1e-3)
+    # per kind, σ: the collective's extra period posted asynchronously beside compute over its blocking cost;
+    # comm_compute_slowdown is the all-to-all's
+    line = next(x for x in out.read_text().splitlines() if "B posted before a compute burst" in x)
+    items = line.split("waited after: ", 1)[1].split(" (", 1)[0].split(", ")
+    beside = {kind: float(t) * 1e-6 for kind, t in (item.split()[:2] for item in items)}
+    assert set(beside) == {"all_to_all", "all_gather", "reduce_scatter", "all_reduce"}
+    assert target.comm_compute_slowdown_by_kind == pytest.approx(
+        {kind: min(10.0, t / loaded[kind]) for kind, t in beside.items()}, rel=1e-3, abs=1e-3)
+    assert target.comm_compute_slowdown == target.comm_compute_slowdown_by_kind["all_to_all"]
     # launch.p2p_host_s: the extra period per message of a send and a receive posted before a burst, waited after
     line = next(x for x in out.read_text().splitlines() if "(launch.p2p_host_s)" in x)
     per_message = float(line.split("waited after: ", 1)[1].split()[0]) * 1e-6
