@@ -22,8 +22,8 @@ Model (one PP group; DP replicas and TP/EP peers are symmetric, so a collective 
 - **Contention.** While any collective of the rank is in flight, a compute segment runs ``compute_slowdown``
   slower for the overlapping time (the SMs or memory bandwidth the communication kernels take), or
   ``slowdown_by_kind[kind]`` where the target gives the collective's kind its own figure (the ``cpu`` emulator,
-  whose gloo collectives of different kinds take different shares of the rank's core: docs/step-model.md §2);
-  with several collectives in flight the largest slow-down counts.
+  whose gloo collectives of different kinds hide different shares of their cost beside compute:
+  docs/step-model.md §2); with several collectives in flight the largest slow-down counts.
 - **Host.** The host issues one launch per kernel (``kernels`` of a compute segment, one per collective), each
   taking ``host_launch_s``; a segment cannot start before its first kernel is issued nor end before its last. The
   host runs ahead of the device except after a ``host_sync`` segment (the dispatcher's count copy): then it
@@ -200,9 +200,9 @@ def compact(segs: Sequence[Segment]) -> tuple[Segment, ...]:
 class RunSettings:
     """What runs beside compute (docs/step-model.md §2): the overlap mechanisms that are on, the compute slow-down
     while a collective is in flight (a fraction; ``slowdown_by_kind``: per collective kind where it has its own),
-    the host's cost per kernel launch and per sync (seconds), and
-    the PP link: ``p2p_s`` seconds per transfer of ``p2p_bytes`` on ``p2p_tier``, and ``p2p_host_s`` seconds of
-    the compute stream per SEND and per RECV (the target's ``launch.p2p_host_s``)."""
+    the host's cost per kernel launch and per sync (seconds), and the PP link: ``p2p_s`` seconds per transfer of
+    ``p2p_bytes`` on ``p2p_tier``, and ``p2p_host_s`` seconds of the compute stream per SEND and per RECV (the
+    target's ``launch.p2p_host_s``)."""
 
     p2p_s: float = 0.0
     p2p_tier: Tier = "inter"
