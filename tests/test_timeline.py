@@ -5,8 +5,8 @@ import networkx as nx
 import pytest
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-from moeplan.cost_models.timeline import (RunSettings, StageProgram, action_time_s, concat_segments, parse_action,
-                                          simulate)
+from moeplan.cost_models.timeline import (RunSettings, StageProgram, _slowdown_s, action_time_s, concat_segments,
+                                          parse_action, simulate)
 from moeplan.errors import PlanError
 from moeplan.passes.schedule import build_actions, interleaved_1f1b, max_in_flight, one_f_one_b
 from moeplan.state import CommOp, Segment
@@ -244,8 +244,8 @@ def test_compute_slows_while_a_collective_runs_beside_it():
 
 def test_a_collective_kind_with_its_own_slowdown_uses_it():
     """The dispatch is an all-to-all: with ``slowdown_by_kind`` listing all-to-all at 1.0 (and 0.5 for the rest)
-    the shared expert's 0.4 s inside it takes 0.8, ending at 1.8, so the experts start 0.3 later; a kind not
-    listed keeps ``compute_slowdown``."""
+    the shared expert's 0.4 s inside it takes 0.8, ending at 1.8, so the experts start 0.3 later than with no
+    slow-down, 0.2 later than at 0.5; a kind not listed keeps ``compute_slowdown``."""
     segs = moe_like()
     on = frozenset({"shared-expert"})
     base = action_time_s([segs], RunSettings(mechanisms=on, compute_slowdown=0.5))
@@ -258,7 +258,6 @@ def test_a_collective_kind_with_its_own_slowdown_uses_it():
 def test_overlapping_collectives_slow_compute_by_the_largest_slowdown():
     """Two collectives in flight at once count once, at the larger σ: [0, 2] at 0.5 and [1, 3] at 1.0 over a 4 s
     segment: 1 s at 0.5, then 2 s at 1.0."""
-    from moeplan.cost_models.timeline import _slowdown_s
     assert _slowdown_s(0.0, 4.0, [(0.0, 2.0, 0.5), (1.0, 3.0, 1.0)]) == pytest.approx(0.5 + 2.0)
     assert _slowdown_s(0.0, 4.0, [(0.0, 2.0, 0.5)]) == pytest.approx(1.0)
     intervals = [(-2.0, -1.0, 1.0), (3.5, 9.0, 0.2)]  # the first ended before the segment: pruned
