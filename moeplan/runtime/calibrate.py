@@ -319,6 +319,24 @@ def _burst(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _collective(kind: str, buf: torch.Tensor, out: torch.Tensor, gathered: torch.Tensor, *,
+                async_op: bool) -> object:
+    """Issue one 2-rank collective of ``kind`` (one of ``ASYNC_KINDS``) with the runtime's calls
+    (moeplan.runtime.parallel) on ``buf``: into ``out`` (``buf``'s size), ``gathered`` (twice it, the all-gather) or
+    in place (the all-reduce). Returns the work handle when ``async_op``, else None once it completed."""
+    import torch.distributed as dist
+
+    if kind == "all_to_all":
+        return dist.all_to_all_single(out, buf, async_op=async_op)
+    if kind == "all_reduce":
+        return dist.all_reduce(buf, async_op=async_op)
+    if kind == "all_gather":
+        return all_gather_flat(gathered, buf, async_op=async_op)
+    if kind == "reduce_scatter":
+        return reduce_scatter_flat(out[:out.numel() // 2], buf, async_op=async_op)
+    raise ValueError(f"kind={kind!r}: must be one of {list(ASYNC_KINDS)}")
+
+
 def _comm_op(op: str, rank: int, buf: torch.Tensor, out: torch.Tensor) -> None:
     import torch.distributed as dist
 
@@ -329,14 +347,8 @@ def _comm_op(op: str, rank: int, buf: torch.Tensor, out: torch.Tensor) -> None:
         else:
             dist.recv(out, 0)
             dist.send(buf, 0)
-    elif op == "all_to_all":
-        dist.all_to_all_single(out, buf)
-    elif op == "all_reduce":
-        dist.all_reduce(buf)
-    elif op == "all_gather":  # the runtime's calls (moeplan.runtime.parallel)
-        all_gather_flat(torch.cat((out, out)), buf)
-    elif op == "reduce_scatter":
-        reduce_scatter_flat(out[:out.numel() // 2], buf)
+    elif op in ASYNC_KINDS:
+        _collective(op, buf, out, torch.cat((out, out)), async_op=False)
     else:
         raise ValueError(f"op={op!r}: must be one of {sorted(LOADED_OPS)}")
 
@@ -353,16 +365,10 @@ def _loaded_period_s(op: str | None, rank: int) -> float:
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(LOADED_ITERS):
-        if op == "async_all_to_all":
-            works = [dist.all_to_all_single(out, buf, async_op=True)]
-        elif op == "async_all_gather":  # the same calls as _comm_op's, asynchronous
-            works = [all_gather_flat(gathered, buf, async_op=True)]
-        elif op == "async_reduce_scatter":
-            works = [reduce_scatter_flat(out[:out.numel() // 2], buf, async_op=True)]
-        elif op == "async_all_reduce":
-            works = [dist.all_reduce(buf, async_op=True)]
-        elif op == "async_p2p":  # each rank posts a send and a receive, as a pipeline rank does (two messages)
+        if op == "async_p2p":  # each rank posts a send and a receive, as a pipeline rank does (two messages)
             works = [dist.isend(buf, 1 - rank), dist.irecv(out, 1 - rank)]
+        elif op is not None and op.startswith("async_"):
+            works = [_collective(op.removeprefix("async_"), buf, out, gathered, async_op=True)]
         else:
             works = []
         _burst(x, w)
