@@ -30,7 +30,8 @@ MoE and precision (docs/step-model.md §5):
   for the grouped expert GEMM M is the tokens per local expert; its w2 reduces over the expert width. Targets
   without them keep the padded-tile model below.
 - Fused attention runs at ``efficiency.attention_fwd`` / ``attention_bwd`` of the bf16 peak where the target
-  gives them (FlashAttention measurements), else at ``efficiency.compute``.
+  gives them (FlashAttention measurements), else at ``efficiency.compute``; a table over sequence length is read
+  at the length the kernel runs over (:func:`attention_seq_len`).
 - ``training_dtype == "fp8"``: the decoder layers' GEMMs (matmul and grouped matmul; not the output layer, the
   embedding, the router or attention, which stay bf16 — DeepSeek-V3 arXiv 2412.19437 §3.3.1) run at
   ``target.fp8_flops`` with ``efficiency.fp8_gemm_m`` for the grouped GEMM, and each such GEMM pass first
@@ -115,6 +116,39 @@ def k_pipeline(k: int, k0: float | None) -> float:
     """``K / (K + K0)``: a GEMM's main loop over K is preceded by filling the pipeline and followed by the epilogue,
     worth ``K0`` elements of K (1 without a ``K0``)."""
     return k / (k + k0) if k0 else 1.0
+
+
+def attention_seq_len(mnk: tuple[int, int, int] | None) -> int | None:
+    """The sequence length a fused attention kernel runs over, for reading a target's attention efficiency table:
+    the key length, N of the op's per-device score GEMM ``(queries, keys, head dim)`` (the trace's
+    ``matmul_mnk``; passes/shard.py ``gemm_shape`` scales only M, the queries); None without a shape.
+
+    Why the keys and not the queries, which CP splits: moeplan prices context parallelism as an all-gather of K
+    and V (docs/step-model.md §1; Megatron-LM ``--cp-comm-type all_gather``, as moeplan/runtime/context_parallel.py
+    runs it), so each rank's kernel runs its ``s/cp`` queries (two load-balanced chunks) against every key before
+    them, up to the whole sequence ``s``. A FlashAttention kernel's efficiency grows with the keys each query
+    tile loops over (the loop's fill and epilogue, and the masked diagonal block, are paid once per tile), and
+    those are the same, ``s/2`` on average, as in an unsplit causal kernel over ``s``, which is what
+    FlashAttention-3's figures measure at length ``s`` (``s`` queries over ``s`` keys, causal). So the table is
+    read at ``s`` whatever ``cp`` is. Ring attention (Megatron-LM / Transformer Engine's ``p2p`` CP) would
+    instead run, at each of its ``cp`` steps, a block of ``s/cp`` queries over ``s/cp`` keys and read the table
+    at ``s/cp``; moeplan models neither its communication nor that length."""
+    return None if mnk is None else mnk[1]
+
+
+def attention_efficiency(value: float | tuple[tuple[int, float], ...] | None, *, seq_len: int | None
+                         ) -> float | None:
+    """A target's ``efficiency.attention_fwd`` / ``attention_bwd`` at ``seq_len``: a number is the same at every
+    length; a table ``[[seq_len, fraction], ...]`` is read like a GEMM curve (:func:`curve_factor`: linear in
+    log seq_len, clamped at both ends); None stays None (the op then runs at ``efficiency.compute``).
+
+    Raises ValueError: a table and no ``seq_len``."""
+    if value is None or isinstance(value, float):
+        return value
+    if seq_len is None:
+        raise ValueError("the attention efficiency is a table over sequence length, but the op has no score GEMM "
+                         "shape (matmul_mnk) to read its length from")
+    return curve_factor(value, seq_len)
 
 
 def gemm_shape_efficiency(mnk: tuple[int, int, int], *, grouped: bool, alignment: int,
@@ -219,10 +253,13 @@ def annotation_time_s(op: OpAnnotation, *, scale: float, target: Target, weight_
         return op_time_s(flops=flops * scale, bytes_moved=bytes_moved, unit=unit, mnk=mnk, target=target,
                          launch_s=launch, peak_flops=peak, efficiency=efficiency, shape_factor=shape) + cast
 
-    fwd = one(op.fwd_flops, launches[0], eff.attention_fwd if attn else None)
+    attn_len = attention_seq_len(mnk) if attn else None
+    attn_fwd = attention_efficiency(eff.attention_fwd, seq_len=attn_len) if attn else None
+    attn_bwd = attention_efficiency(eff.attention_bwd, seq_len=attn_len) if attn else None
+    fwd = one(op.fwd_flops, launches[0], attn_fwd)
     has_dx = op.op_kind != OpKind.EMBEDDING
-    dx_flops = op.bwd_input_flops * (FUSED_ATTENTION_BWD_RECOMPUTE if attn and eff.attention_bwd else 1.0)
-    dx = one(dx_flops, launches[1], eff.attention_bwd if attn else None) if has_dx else 0.0
+    dx_flops = op.bwd_input_flops * (FUSED_ATTENTION_BWD_RECOMPUTE if attn_bwd else 1.0)
+    dx = one(dx_flops, launches[1], attn_bwd) if has_dx else 0.0
     dw = one(op.bwd_weight_flops, launches[2], None) if op.param_count > 0 else 0.0
     return (fwd, dx, dw)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator
 
 from moeplan.errors import TargetError, validation_message
 from moeplan.files import read_yaml
@@ -46,6 +46,45 @@ class Link(BaseModel):
     """α: latency of one message, paid once per step of a collective's algorithm, seconds."""
 
 
+AttentionCurve = tuple[tuple[StrictInt, StrictFloat], ...]
+"""``[[seq_len, fraction], ...]``: a fused attention kernel's fraction (0–1] of the bf16 peak at the sequence
+length it runs over; at least one point, seq_len strictly increasing (checked by
+:func:`attention_efficiency_value`)."""
+
+
+def attention_efficiency_value(value: object) -> object:
+    """``efficiency.attention_fwd`` / ``attention_bwd`` as a target file gives it, checked: None, a fraction in
+    (0, 1] (the same at every sequence length), or a table ``[[seq_len, fraction], ...]`` (returned as a tuple of
+    ``(int, float)`` pairs) whose seq_len are integers in [1, 2^40], strictly increasing, and whose fractions are
+    in (0, 1]. Raises ValueError: the rule the value breaks, and for a table the point that breaks it
+    (``moeplan.errors.validation_message`` adds the field and the value)."""
+    def fraction(x: object) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1  # NaN and inf fail
+
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        if not fraction(value):
+            raise ValueError("must be a fraction in (0, 1] or a table [[seq_len, fraction], ...]")
+        return float(value)
+    if not value:
+        raise ValueError("a table [[seq_len, fraction], ...] needs at least one point")
+    points: list[tuple[int, float]] = []
+    for i, point in enumerate(value):
+        if not isinstance(point, (list, tuple)) or len(point) != 2:
+            raise ValueError(f"point {i} ({point!r:.40}) must be a pair [seq_len, fraction]")
+        seq, eff = point
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 1 <= seq <= 2**40:
+            raise ValueError(f"point {i}: seq_len {seq!r:.40} must be an integer in [1, 2^40]")
+        if not fraction(eff):
+            raise ValueError(f"point {i}: fraction {eff!r:.40} must be in (0, 1]")
+        if points and seq <= points[-1][0]:
+            raise ValueError(f"point {i}: seq_len {seq} follows {points[-1][0]}; seq_len must be strictly "
+                             "increasing")
+        points.append((seq, float(eff)))
+    return tuple(points)
+
+
 class Efficiency(BaseModel):
     """Achievable fractions of peak: compute (cube/vector), HBM and links. Defaults from Ascend/msmodeling."""
 
@@ -58,12 +97,15 @@ class Efficiency(BaseModel):
     update)."""
     comm: StrictFloat = Field(default=0.7, gt=0, le=1)
     """Fraction (0–1) of a link's ``bandwidth_bytes_per_s`` a collective reaches, on both tiers."""
-    attention_fwd: StrictFloat | None = Field(default=None, gt=0, le=1)
+    attention_fwd: StrictFloat | AttentionCurve | None = None
     """Fraction (0–1) of the bf16 peak ``cube_flops`` the fused attention kernel's forward reaches, when a source
-    gives it; None: ``compute``."""
-    attention_bwd: StrictFloat | None = Field(default=None, gt=0, le=1)
+    gives it: one number (the same at every sequence length) or a table ``[[seq_len, fraction], ...]`` over the
+    sequence length the kernel runs over (cost_models/compute.py ``attention_seq_len``), seq_len strictly
+    increasing, interpolated in log seq_len and clamped at both ends; None: ``compute``."""
+    attention_bwd: StrictFloat | AttentionCurve | None = None
     """Fraction (0–1) of the bf16 peak the fused attention backward (dX) reaches, on FlashAttention's count of 2.5×
-    the forward's FLOPs (cost_models/compute.py); None: ``compute`` on the traced FLOPs."""
+    the forward's FLOPs (cost_models/compute.py): one number or a table, as ``attention_fwd``; None: ``compute``
+    on the traced FLOPs."""
     gemm_m: GemmCurve | None = None
     """A GEMM's throughput at M rows per device (the tokens per local expert for the grouped expert GEMM) as a
     fraction (0–1) of its plateau, ``[[M, fraction], ...]`` ascending M, interpolated in log M and clamped; applies
@@ -74,6 +116,11 @@ class Efficiency(BaseModel):
     gemm_k0: StrictFloat | None = Field(default=None, gt=0, le=2**20)
     """A GEMM's pipeline fill and epilogue, elements of K: its main loop runs at ``K/(K + K0)``; used only with a
     ``gemm_m`` / ``fp8_gemm_m`` curve. None: no K factor."""
+
+    @field_validator("attention_fwd", "attention_bwd", mode="before")
+    @classmethod
+    def _attention_efficiency(cls, value: object) -> object:
+        return attention_efficiency_value(value)
 
 
 CommKind = Literal["p2p", "all_gather", "reduce_scatter", "all_reduce", "all_to_all"]

@@ -1,6 +1,8 @@
 """Compute (roofline + alignment) and communication (α–β) cost models against hand-derived numbers."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from moeplan.cost_models.comm import all_to_all_time_s, collective_time_s, group_tier, local_peer_range
@@ -319,14 +321,86 @@ def test_fp8_runs_decoder_gemms_at_the_fp8_peak_and_pays_the_cast() -> None:
         load_target("a100", training_dtype="fp8")
 
 
+def _attention(seq: int, *, heads: int = 32, head_dim: int = 128) -> OpAnnotation:
+    """A causal core-attention op over ``seq`` tokens as the trace records it: FLOPs halved for the mask, autograd's
+    dX at twice the forward, reads Q, K, V and writes O (bf16), score GEMM (queries, keys, head dim)."""
+    fwd = 4.0 * seq * seq * head_dim * heads / 2
+    act = 2 * seq * heads * head_dim
+    return OpAnnotation(
+        name="attn_core", op_kind=OpKind.ATTENTION, module_path="layers.0.attn.core", layer_kind=LayerKind.DENSE,
+        fwd_flops=fwd, bwd_input_flops=2 * fwd, bwd_weight_flops=0.0, bytes_read=3 * act, bytes_written=act,
+        output_bytes=act, saved_bytes=0, saved_inputs=(), param_count=0, shard=ShardHint.TP,
+        matmul_mnk=(seq, seq, head_dim), causal=True)
+
+
+def _table_at(table: tuple[tuple[int, float], ...], seq: int) -> float:
+    """The target's own table read by hand: linear in log seq_len between its points, clamped at both ends."""
+    if seq <= table[0][0]:
+        return table[0][1]
+    for (s0, f0), (s1, f1) in zip(table, table[1:]):
+        if seq <= s1:
+            return f0 + (f1 - f0) * (math.log(seq) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return table[-1][1]
+
+
 def test_attention_uses_its_measured_efficiency_and_fa_backward_count() -> None:
     """H100 attention: forward at attention_fwd of the bf16 peak; backward 1.25× the traced dX FLOPs (the fused
-    kernel recomputes the scores) at attention_bwd."""
-    attn = _op(OpKind.ATTENTION, m=4096, n=4096, k=4096, params=0)  # compute-bound
+    kernel recomputes the scores) at attention_bwd; both read at the op's sequence length (4k here)."""
+    attn = _attention(4096)  # compute-bound: s/4 FLOPs per byte
     fwd, dx, _ = annotation_time_s(attn, scale=1.0, target=H100)
     eff = H100.efficiency
-    assert fwd - MATMUL_LAUNCH == pytest.approx(attn.fwd_flops / (H100.cube_flops * eff.attention_fwd))
-    assert dx - MATMUL_LAUNCH == pytest.approx(attn.bwd_input_flops * 1.25 / (H100.cube_flops * eff.attention_bwd))
+    at_4k_fwd, at_4k_bwd = dict(eff.attention_fwd)[4096], dict(eff.attention_bwd)[4096]
+    assert fwd - MATMUL_LAUNCH == pytest.approx(attn.fwd_flops / (H100.cube_flops * at_4k_fwd))
+    assert dx - MATMUL_LAUNCH == pytest.approx(attn.bwd_input_flops * 1.25 / (H100.cube_flops * at_4k_bwd))
+
+
+def test_attention_time_per_flop_falls_with_sequence_length_as_the_table_says() -> None:
+    """On h100 the fused attention's forward and backward time per FLOP fall from a 1k to a 16k sequence by the
+    target's own attention_fwd / attention_bwd tables (FlashAttention-3), read in log seq_len between points and
+    clamped outside them; the length read is the keys', which CP does not split (the K/V all-gather)."""
+    from dataclasses import replace
+
+    eff = H100.efficiency
+    peak = H100.cube_flops / 1e15  # PFLOP/s: times per PFLOP are of order 1 s, well above approx's abs tolerance
+
+    def per_pflop(seq: int, *, scale: float = 1.0, bytes_moved: bool = True) -> tuple[float, float]:
+        """Forward and backward seconds per PFLOP (the backward on FlashAttention's 2.5× count)."""
+        op = _attention(seq)
+        op = op if bytes_moved else replace(op, bytes_read=0, bytes_written=0)
+        fwd, dx, _ = annotation_time_s(op, scale=scale, target=H100)
+        return ((fwd - MATMUL_LAUNCH) * 1e15 / (op.fwd_flops * scale),
+                (dx - MATMUL_LAUNCH) * 1e15 / (op.bwd_input_flops * 1.25 * scale))
+
+    lengths = (1024, 2048, 4096, 6000, 8192, 16384)
+    times = [per_pflop(s) for s in lengths]
+    for seq, (fwd, dx) in zip(lengths, times):
+        assert fwd == pytest.approx(1 / (peak * _table_at(eff.attention_fwd, seq))), seq
+        assert dx == pytest.approx(1 / (peak * _table_at(eff.attention_bwd, seq))), seq
+    assert all(a[0] > b[0] and a[1] > b[1] for a, b in zip(times, times[1:]))  # strictly faster per FLOP
+    fwd_at = dict(eff.attention_fwd)
+    assert times[0][0] / times[-1][0] == pytest.approx(fwd_at[16384] / fwd_at[1024])  # 0.623 / 0.428
+    first, last = eff.attention_fwd[0], eff.attention_fwd[-1]
+    # clamped below (256 tokens: s/4 FLOPs per byte is memory-bound, so its bytes are left out here)
+    assert per_pflop(first[0] // 2, bytes_moved=False)[0] == pytest.approx(1 / (peak * first[1]))
+    assert per_pflop(last[0] * 8)[0] == pytest.approx(1 / (peak * last[1]))  # and above (128k)
+    # cp = 8 at 16k: each rank's 2k queries run over all 16k keys, priced at the 16k figure, not the 2k one
+    assert per_pflop(16384, scale=1 / 8) == pytest.approx(times[-1])
+
+
+def test_attention_efficiency_as_one_number_is_the_same_at_every_length() -> None:
+    """The scalar form of attention_fwd / attention_bwd still prices every length alike; a table with no
+    sequence length to read it at is refused."""
+    scalar = H100.efficiency.model_copy(update=dict(attention_fwd=0.5, attention_bwd=0.4))
+    h100 = H100.model_copy(update=dict(efficiency=scalar))
+    for seq in (1024, 16384):
+        op = _attention(seq)
+        fwd, dx, _ = annotation_time_s(op, scale=1.0, target=h100)
+        assert fwd - MATMUL_LAUNCH == pytest.approx(op.fwd_flops / (h100.cube_flops * 0.5))
+        assert dx - MATMUL_LAUNCH == pytest.approx(op.bwd_input_flops * 1.25 / (h100.cube_flops * 0.4))
+    no_shape = _op(OpKind.ATTENTION, m=4096, n=4096, k=128, params=0)  # matmul_mnk None
+    assert annotation_time_s(no_shape, scale=1.0, target=h100)[0] > 0
+    with pytest.raises(ValueError, match="table over sequence length"):
+        annotation_time_s(no_shape, scale=1.0, target=H100)
 
 
 def test_kernel_granularity_pays_per_aten_kernel_and_training_dtype_scales_bytes() -> None:

@@ -140,6 +140,45 @@ def test_a_target_file_by_path_and_bad_fields(tmp_path: Path) -> None:
 
 _NUMERIC_FIELD = re.compile(r"^(\s*)[A-Za-z_0-9]+:\s*[-+0-9.eE]+\s*(#.*)?$")
 
+def _h100_with(tmp_path: Path, **efficiency: object) -> str:
+    """A copy of h100.yaml with some ``efficiency`` fields replaced."""
+    data = yaml.safe_load((_TARGET_DIR / "h100.yaml").read_text())
+    data["efficiency"].update(efficiency)
+    path = tmp_path / "h100-edited.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_attention_efficiency_is_a_number_or_a_table_over_sequence_length(tmp_path: Path) -> None:
+    """attention_fwd / attention_bwd: one number (the same at every length) or a table [[seq_len, fraction], ...]
+    with seq_len strictly increasing and fractions in (0, 1]; a bad table is refused in one line that names the
+    field, the value and the rule."""
+    eff = load_target("h100").efficiency
+    for table in (eff.attention_fwd, eff.attention_bwd):
+        lengths = [seq for seq, _ in table]
+        assert lengths == sorted(set(lengths)) and lengths[0] <= 1024 and lengths[-1] >= 16384
+        assert all(0 < f <= 1 for _, f in table)
+    assert dict(eff.attention_fwd)[4096] == 0.585 and dict(eff.attention_bwd)[4096] == 0.548  # FA3 at 4k
+    scalar = load_target(_h100_with(tmp_path, attention_fwd=0.585, attention_bwd=0.548)).efficiency
+    assert (scalar.attention_fwd, scalar.attention_bwd) == (0.585, 0.548)
+    path = _h100_with(tmp_path, attention_fwd=[[4096, 0.585], [1024, 0.428]])
+    with pytest.raises(TargetError) as exc:
+        load_target(path)
+    assert _one_line_error(exc) == (f"efficiency.attention_fwd=[[4096, 0.585], [1024, 0.428]]: point 1: seq_len "
+                                    f"1024 follows 4096; seq_len must be strictly increasing (target {path})")
+    bad = {"strictly increasing": [[1024, 0.4], [1024, 0.5]],
+           "must be in (0, 1]": [[1024, 0.4], [2048, 1.2]],
+           "must be an integer": [[1024.5, 0.4]],
+           "must be a pair": [[1024, 0.4, 0.5]],
+           "at least one point": [],
+           "must be a fraction in (0, 1]": 0.0}
+    for rule, value in bad.items():
+        with pytest.raises(TargetError) as exc:
+            load_target(_h100_with(tmp_path, attention_bwd=value))
+        msg = _one_line_error(exc)
+        assert msg.startswith("efficiency.attention_bwd=") and rule in msg, msg
+
+
 
 def _sourced(lines: list[str], i: int) -> bool:
     """Line i, or the nearest less-indented line above it (its parent key), carries a ``#`` comment."""
