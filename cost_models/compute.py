@@ -237,7 +237,7 @@ def annotation_time_s(op: OpAnnotation, *, scale: float, target: Target, weight_
     bytes_moved = ((op.bytes_read + op.bytes_written - weight_bytes) * scale + weight_bytes * weight_scale) \
         * target.dtype_bytes / 2
     launches = _launches(op, target)
-    fp8 = _runs_fp8(op, target)
+    fp8 = runs_fp8(op, target)
     peak = target.fp8_flops if fp8 else None
     curve = target.efficiency.fp8_gemm_m if fp8 else target.efficiency.gemm_m
     eff = target.efficiency
@@ -264,7 +264,7 @@ def annotation_time_s(op: OpAnnotation, *, scale: float, target: Target, weight_
     return (fwd, dx, dw)
 
 
-def _runs_fp8(op: OpAnnotation, target: Target) -> bool:
+def runs_fp8(op: OpAnnotation, target: Target) -> bool:
     """Whether ``op`` is a GEMM that runs in FP8 under the target's training dtype (module docstring)."""
     return (target.training_dtype == "fp8" and target.fp8_flops is not None
             and op.op_kind in (OpKind.MATMUL, OpKind.GROUPED_MATMUL) and op.layer_kind not in _BF16_LAYERS)

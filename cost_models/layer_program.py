@@ -480,6 +480,48 @@ def program(steps: Sequence[Step], price: Price, *, bwd_extra_s: tuple[float, fl
     return LayerProgram(fwd=tuple(fwd), bwd_input=tuple(bwd), bwd_weight=tuple(weight))
 
 
+def fsdp_collectives(*, dense_params: float, expert_params: float, layout: Layout, target: Target,
+                     grad_bytes: int) -> tuple[tuple[CommOp, ...], tuple[CommOp, ...]]:
+    """(all-gathers, reduce-scatters) of one layer's weights under FSDP (``layout.dp_shard > 1``): the dense weights
+    the rank holds under TP (``dense_params``) over ``layout.fsdp_group`` ranks ``tp`` apart, the routed experts'
+    (``expert_params``) over ``layout.expert_fsdp_group`` ranks ``tp·ep`` apart; the gathers of the weights in the
+    training dtype, the reduce-scatters of their gradients at ``grad_bytes`` (PyTorch FSDP2 ``fully_shard``, one
+    all-gather and one reduce-scatter per module; Zhao et al. arXiv 2304.11277 §3)."""
+    gathers, scatters = [], []
+    for params, group, stride in ((dense_params, layout.fsdp_group, layout.tp),
+                                  (expert_params, layout.expert_fsdp_group, layout.tp * layout.ep)):
+        if params <= 0 or group <= 1:
+            continue
+        tier = group_tier(stride=stride, group_size=group, devices_per_node=target.devices_per_node)
+        gathers.append(_single("dp", "all_gather", "fwd", params * target.dtype_bytes / group, group, tier, target))
+        scatters.append(_single("dp", "reduce_scatter", "bwd", params * grad_bytes, group, tier, target))
+    return tuple(gathers), tuple(scatters)
+
+
+def with_fsdp(prog: LayerProgram, gathers: Sequence[CommOp], scatters: Sequence[CommOp], *,
+              regather: bool) -> LayerProgram:
+    """``prog`` with FSDP's collectives: the weights' all-gathers issued before the forward and (``regather``: the
+    weights were freed after the forward) before the input-gradient pass, the gradients' reduce-scatters after the
+    backward. FSDP2 runs them on their own streams and prefetches the next layer's gather while this one computes
+    (``async_by="native"``: the compute stream does not wait for them, they hold their link tier)."""
+    if not gathers and not scatters:
+        return prog
+
+    def prepend(segs: tuple[Segment, ...], ops: Sequence[CommOp], phase: str) -> tuple[Segment, ...]:
+        head = tuple(Segment(f"fsdp_gather_{i}", "comm", c.time_s, comm=replace(c, phase=phase), kernels=1,
+                             async_by="native") for i, c in enumerate(ops))
+        return head + tuple(replace(s, after=tuple(a + len(head) for a in s.after)) for s in segs)
+
+    fwd = prepend(prog.fwd, gathers, "fwd")
+    bwd = prepend(prog.bwd_input, gathers, "bwd") if regather else prog.bwd_input
+    shift = len(bwd) - len(prog.bwd_input)
+    weight = tuple(replace(s, after=tuple(a + shift for a in s.after)) for s in prog.bwd_weight)
+    last = (len(bwd) - 1,) if bwd else ()
+    bwd += tuple(Segment(f"fsdp_scatter_{i}", "comm", c.time_s, after=last, comm=c, kernels=1, async_by="native")
+                 for i, c in enumerate(scatters))
+    return LayerProgram(fwd=fwd, bwd_input=bwd, bwd_weight=weight)
+
+
 def _add_last(segs: list[Segment], seconds: float, kernels: int) -> list[Segment]:
     if not seconds and not kernels:
         return segs

@@ -49,7 +49,8 @@ class SavedTensor:
 @dataclass(frozen=True)
 class RedoOp:
     """One op that makes storages: ``seconds`` to run its forward again in backward (``flops`` of it), the
-    storages it ``reads`` and those it ``makes`` (its output and what it keeps internally)."""
+    storages it ``reads`` and those it ``makes`` (its output and what it keeps internally), and the module it runs
+    in (``attn.core``, ``mlp.shared.w1``…)."""
 
     name: str
     label: str
@@ -57,6 +58,7 @@ class RedoOp:
     reads: tuple[str, ...]
     makes: tuple[str, ...]
     flops: float = 0.0
+    module: str = ""
 
 
 @dataclass(frozen=True)
@@ -82,41 +84,67 @@ class LayerTensors:
 
 
 def layer_tensors(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Target, dispatcher: Dispatcher,
-                  times: Mapping[str, tuple[float, float, float]]) -> LayerTensors:
+                  times: Mapping[str, tuple[float, float, float]], fp8_act_input: bool = False) -> LayerTensors:
     """:class:`LayerTensors` of ``lg`` for one micro-batch on one device; ``times``: each op's (forward, dX, dW)
-    seconds under the layout (passes/shard.py ``op_times``)."""
-    from moeplan.passes.shard import _dtype_scaled, _internal_saved, _kept_scale, _saved_inputs, _sp, op_scale
+    seconds under the layout (passes/shard.py ``op_times``). Bytes are passes/shard.py's ``storage_bytes``. On a
+    target with production kernels the routed experts' activation output (what their down GEMM keeps) is its own
+    storage, ``<experts>.act``, made by its own op (the activation, ``moe_act``), so that it can be recomputed
+    alone; moeplan's eager runtime runs the experts as one op."""
+    from moeplan.cost_models.compute import runs_fp8
+    from moeplan.passes.shard import _dtype_scaled, _eager, _saved_inputs, op_scale, storage_bytes
 
     by_name = {o.name: o for o in lg.ops}
+    sb = storage_bytes(lg, layout, target, fp8_act_input)
 
     def base(name: str) -> str:
         while name in by_name and by_name[name].view_of is not None:
-            name = by_name[name].view_of
+            name = by_name[name].view_of  # type: ignore[assignment]
         return name
 
     saved = {base(n) for o in lg.ops for n in _saved_inputs(o, target)}
     hidden = {n for n in saved if n not in by_name}  # the layer input (placeholders other than it are token ids)
     comm = _moe_comm_s(lg, spec=spec, layout=layout, target=target, dispatcher=dispatcher)
-    tensors = [SavedTensor(n, "", int(_dtype_scaled(lg.input_bytes, 0, target) * layout.micro_batch
-                                      / (layout.cp * _sp(layout))), True) for n in sorted(hidden)]
+    tensors = [SavedTensor(n, "", int(sb.outputs[n]), True) for n in sorted(hidden)]
     ops = []
     for o in lg.ops:
-        internal = _internal_saved(o, target) * op_scale(o, layout)
+        internal = sb.internal[o.name]
+        act = 0.0
+        if o.saved_gemm_input_bytes and internal > 0 and not _eager(target):  # the routed experts' activation
+            act = min(internal, _dtype_scaled(o.saved_gemm_input_bytes, 0, target) * op_scale(o, layout)  # output
+                      * (0.5 if runs_fp8(o, target) else 1.0))
         makes = []
         if o.view_of is None:
-            out = _dtype_scaled(o.output_bytes, o.output_fixed_bytes, target) * _kept_scale(o, layout)
-            tensors.append(SavedTensor(o.name, o.name, int(out), o.name in saved))
+            tensors.append(SavedTensor(o.name, o.name, int(sb.outputs.get(o.name, 0.0)) if o.name in saved else
+                                       int(_output_bytes(o, layout, target)), o.name in saved))
             makes.append(o.name)
-        if internal > 0:
-            tensors.append(SavedTensor(f"{o.name}.internal", o.name, int(internal), True))
+        if internal - act > 0:
+            tensors.append(SavedTensor(f"{o.name}.internal", o.name, int(internal - act), True))
             makes.append(f"{o.name}.internal")
         if makes:
             reads = tuple(dict.fromkeys(base(n) for n in o.inputs if base(n) in by_name or base(n) in hidden))
-            ops.append(RedoOp(o.name, label(o), times[o.name][0] + comm.get(o.op_kind, 0.0), reads, tuple(makes),
-                              o.fwd_flops * op_scale(o, layout)))
+            f = times[o.name][0]
+            ops.append(RedoOp(o.name, label(o), f + comm.get(o.op_kind, 0.0), reads, tuple(makes),
+                              o.fwd_flops * op_scale(o, layout), o.module_path))
+        if act > 0:  # re-made from the gate/up output by the activation alone: elementwise, memory-bound
+            tensors.append(SavedTensor(f"{o.name}.act", f"{o.name}.act", int(act), True))
+            ops.append(RedoOp(f"{o.name}.act", "routed experts SwiGLU activation", act_s(act, target),
+                              (f"{o.name}.internal",), (f"{o.name}.act",), 0.0, o.module_path))
     fwd = sum(t[0] for t in times.values())
     bwd = sum(t[1] + t[2] for t in times.values())
     return LayerTensors(lg.kind, tuple(tensors), tuple(ops), fwd, bwd, spec.attention == "mla")
+
+
+def _output_bytes(o: OpAnnotation, layout: Layout, target: Target) -> float:
+    """Bytes of ``o``'s output for one micro-batch on one device, as kept (passes/shard.py)."""
+    from moeplan.passes.shard import _dtype_scaled, _kept_scale
+
+    return _dtype_scaled(o.output_bytes, o.output_fixed_bytes, target) * _kept_scale(o, layout)
+
+
+def act_s(nbytes: float, target: Target) -> float:
+    """Seconds to re-make ``nbytes`` of SwiGLU output from its input: it reads twice its output and writes it once
+    at the target's achievable HBM bandwidth (memory-bound elementwise)."""
+    return 3 * nbytes / (target.hbm_bandwidth_bytes_per_s * target.efficiency.memory)
 
 
 def _moe_comm_s(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Target,
@@ -147,6 +175,59 @@ def closure(lt: LayerTensors, rerun: set[str], keep_or_swap: set[str]) -> set[st
             if r not in maker:
                 raise ValueError(f"recompute: {name} reads the layer input {r}, which is neither kept nor swapped")
             todo.append(maker[r])
+    return out
+
+
+# ---- Megatron-LM's recompute modules -------------------------------------------------------------------------------
+RECOMPUTE_MODULES: dict[str, str] = {
+    "core_attn": "core attention: its inputs q, k, v kept, everything inside it re-run",
+    "layernorm": "the decoder layers' norms: their outputs re-made from their inputs",
+    "mla_up_proj": "MLA's latent norms, q/kv up-projections and rotary: q, k, v re-made from the latents",
+    "mlp": "a dense layer's MLP: its input kept, the whole MLP re-run",
+    "moe": "an MoE layer's MoE block: its input kept, router, dispatch, experts, combine and shared experts re-run",
+    "moe_act": "the routed experts' activation: its output (the down GEMM's input) re-made from the gate/up output",
+    "shared_experts": "the shared experts: their input kept, the shared MLP re-run",
+}
+"""Megatron-LM ``--recompute-granularity selective --recompute-modules`` (megatron/core/transformer/
+transformer_config.py @ core_v0.15.0: core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts;
+transformer_layer.py, multi_latent_attention.py, moe/moe_layer.py, moe/experts.py): what each re-runs in backward.
+``mlp`` applies to dense MLPs only, ``moe`` to MoE blocks."""
+MODULE_ALIASES = {"norm": "layernorm", "activation_function": "moe_act", "mla-up-proj": "mla_up_proj",
+                  "recompute-norm": "layernorm", "recompute-mla-up-proj": "mla_up_proj"}
+"""MindSpeed-LLM's names for the same modules (``--recompute-norm``, ``--recompute-mla-up-proj``,
+``--recompute-activation-function`` on the routed experts)."""
+
+_MLA_UP = frozenset({"q latent norm", "kv latent norm", "q up-projection", "kv up-projection", "rotary (q)",
+                     "rotary (k)"})
+
+
+def module_ops(lt: LayerTensors, modules: frozenset[str] | set[str] | tuple[str, ...]) -> set[str]:
+    """The ops of ``lt`` that Megatron-LM re-runs in backward when ``modules`` are recomputed
+    (:data:`RECOMPUTE_MODULES`); the inputs they need stay kept (``choice_of`` in moeplan/memory_ilp.py)."""
+    is_moe = any(o.label == "router and probabilities" for o in lt.ops)
+    made_by = {m: o.name for o in lt.ops for m in o.makes}
+    out: set[str] = set()
+    for o in lt.ops:
+        parts = o.module.split(".") if o.module else []
+        in_mlp = "mlp" in parts
+        if (("core_attn" in modules and o.label == "core attention")
+                or ("layernorm" in modules and o.label == "norm")
+                or ("mla_up_proj" in modules and lt.mla and o.label in _MLA_UP)
+                or ("moe_act" in modules and o.label == "routed experts SwiGLU activation")
+                or ("mlp" in modules and in_mlp and not is_moe)
+                or ("moe" in modules and in_mlp and is_moe)
+                or ("shared_experts" in modules and "shared" in parts)):
+            out.add(o.name)
+    if "mla_up_proj" in modules and lt.mla:  # the attention's elementwise ops between the up-projections and core
+        grown = True  # attention (the concatenations of the rotary and non-rotary parts) are inside the checkpoint
+        while grown:
+            grown = False
+            for o in lt.ops:
+                if (o.name not in out and "attn" in o.module.split(".") and o.label != "core attention"
+                        and "projection" not in o.label and any(made_by.get(r) in out for r in o.reads)
+                        and o.label not in ("o-projection",)):
+                    out.add(o.name)
+                    grown = True
     return out
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from moeplan.ir import kind_of
-from moeplan.passes.plan_memory import MODES
+from moeplan.cost_models.memory import MODES
 from moeplan.passes.schedule import FB_PAIRED, placement_of, stage_rank
 from moeplan.passes.simulate import dp_collectives, optimizer_s, recompute_segments
 from moeplan.state import LayerCost, PlanState, Recompute, Segment, Strategy

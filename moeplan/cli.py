@@ -46,8 +46,19 @@ def strategy_options(*, schedule: str, dispatcher: str, overlap: str, recompute:
     search). Raises LayoutError naming the flag, the value and the choices."""
     from moeplan.names import DISPATCHERS, MECHANISMS, SCHEDULES
 
-    out: dict = {"recompute": _choice("recompute", recompute, ("auto", "none", "selective", "full", "mindspeed",
-                                                               "ilp-no-swap", "ilp"))}
+    out: dict = {"recompute": recompute}
+    if recompute.startswith("modules:"):
+        from moeplan.cost_models.saved_tensors import MODULE_ALIASES, RECOMPUTE_MODULES
+
+        names = [MODULE_ALIASES.get(n.strip(), n.strip()) for n in recompute.split(":", 1)[1].split(",") if n.strip()]
+        if not names:
+            raise LayoutError(f"recompute={recompute!r}: modules: needs a comma list of {', '.join(RECOMPUTE_MODULES)}")
+        for n in names:
+            _choice("recompute module", n, tuple(RECOMPUTE_MODULES))
+        out.update(recompute="modules", recompute_modules=tuple(sorted(set(names))))
+    else:
+        _choice("recompute", recompute, ("auto", "none", "selective", "full", "mindspeed", "ilp-no-swap", "ilp",
+                                         "modules:<list>"))
     if schedule != "auto":
         out["schedule"] = _choice("schedule", schedule, SCHEDULES + ("auto",))
     if dispatcher != "auto":
@@ -65,6 +76,13 @@ def strategy_options(*, schedule: str, dispatcher: str, overlap: str, recompute:
                 raise LayoutError(f"overlap={overlap!r}: none, all and auto stand alone, not in a list")
             out["overlap"] = frozenset(names)
     return out
+
+
+def _integer(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise LayoutError(f"{name}={text!r}: must be a positive integer or auto") from None
 
 
 def _positive(name: str, value: Optional[int]) -> Optional[int]:
@@ -90,6 +108,10 @@ def compile_cmd(
     cp: Optional[int] = typer.Option(None, "--cp", help="context-parallel degree (default: searched)"),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch",
                                               help="sequences per micro-batch (default: searched)"),
+    dp_shard: Optional[str] = typer.Option(None, "--dp-shard",
+                                           help="FSDP degree over the DP replicas (torchtitan data_parallel_shard_"
+                                                "degree), or auto: try every layout fully sharded too (default: 1, "
+                                                "ZeRO-1)"),
     global_batch: Optional[int] = typer.Option(None, "--global-batch",
                                                help="sequences per step (default: the model's; the summary says "
                                                     "where it came from)"),
@@ -99,12 +121,28 @@ def compile_cmd(
     overlap: str = typer.Option("auto", "--overlap",
                                 help="comma list of shared-expert,fb,dp,pp, or none, all, auto"),
     recompute: str = typer.Option("auto", "--recompute",
-                                  help="auto|none|selective|full (whole layers; auto: per PP rank) or "
-                                       "mindspeed|ilp-no-swap|ilp (per saved tensor)"),
+                                  help="auto|none|selective|full (whole layers; auto: per PP rank), "
+                                       "mindspeed|ilp-no-swap|ilp (per saved tensor), or modules:LIST in "
+                                       "Megatron-LM's --recompute-modules names (core_attn,mlp,moe_act,layernorm,"
+                                       "mla_up_proj,moe,shared_experts)"),
     memory_budget: Optional[float] = typer.Option(None, "--memory-budget",
                                                   help="GiB per device the plan may use (plan-memory{budget_gib=})"),
     training_dtype: Optional[str] = typer.Option(None, "--training-dtype",
                                                  help="bf16|fp16|fp32|fp8 (fp8: GEMMs; overrides the target)"),
+    grad_dtype: str = typer.Option("fp32", "--grad-dtype",
+                                   help="fp32|bf16: gradient buffer and DP reduction (Megatron-LM "
+                                        "--grad-reduce-in-bf16 for bf16)"),
+    main_params_dtype: str = typer.Option("fp32", "--main-params-dtype",
+                                          help="fp32|bf16|fp16: the optimizer's master weights (Megatron-LM "
+                                               "--main-params-dtype)"),
+    optimizer_dtype: str = typer.Option("fp32", "--optimizer-dtype",
+                                        help="fp32|bf16: Adam's moments (Megatron-LM --exp-avg-dtype, "
+                                             "--exp-avg-sq-dtype)"),
+    distributed_optimizer: bool = typer.Option(True, "--distributed-optimizer/--no-distributed-optimizer",
+                                               help="shard master weights and moments over DP (ZeRO-1)"),
+    fp8_activation_input: bool = typer.Option(False, "--fp8-activation-input",
+                                              help="with --training-dtype fp8, the SwiGLU keeps its input in FP8 "
+                                                   "(Megatron-LM's activation_func_fp8_input_store)"),
     pipeline: Optional[str] = typer.Option(None, "--pipeline", help=PIPELINE_HELP),
     top: int = typer.Option(1, "--top", help="print the best K layouts"),
     candidates: int = typer.Option(4, "--candidates",
@@ -123,6 +161,7 @@ def compile_cmd(
                                 shape_sources)
     from moeplan.search import Fixed, check_pipeline
     from moeplan.spec import load_spec
+    from moeplan.state import Precision
     from moeplan.targets import load_target
 
     for name, v in (("devices", devices), ("devices_per_node", devices_per_node), ("tp", tp), ("pp", pp),
@@ -135,13 +174,19 @@ def compile_cmd(
     spec = load_spec(model).with_shape(seq_len=seq_len, global_batch=global_batch)
     tgt = load_target(target, devices_per_node=devices_per_node, training_dtype=_choice(
         "training_dtype", training_dtype, ("bf16", "fp16", "fp32", "fp8")) if training_dtype else None)
+    shard = None if dp_shard in (None, "auto") else _positive("dp_shard", _integer("dp_shard", dp_shard))
+    precision = Precision(grad_dtype=_choice("grad_dtype", grad_dtype, ("fp32", "bf16")),
+                          main_params_dtype=_choice("main_params_dtype", main_params_dtype, ("fp32", "bf16", "fp16")),
+                          moments_dtype=_choice("optimizer_dtype", optimizer_dtype, ("fp32", "bf16")),
+                          distributed_optimizer=distributed_optimizer, fp8_activation_input=fp8_activation_input)
     fixed = Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
-                  cp=cp, micro_batch=micro_batch, **strategy_options(schedule=schedule, dispatcher=dispatcher,
-                                                                     overlap=overlap, recompute=recompute))
+                  cp=cp, micro_batch=micro_batch, dp_shard=shard, search_fsdp=dp_shard == "auto", precision=precision,
+                  **strategy_options(schedule=schedule, dispatcher=dispatcher, overlap=overlap, recompute=recompute))
     pipeline = pipeline or DEFAULT_PIPELINE
     if memory_budget is not None:
-        if not 0 < memory_budget < float("inf"):
-            raise LayoutError(f"memory_budget={memory_budget}: must be a positive, finite number of GiB")
+        if not 0 < memory_budget <= tgt.memory_bytes / 2**30:
+            raise LayoutError(f"memory_budget={memory_budget}: must be a positive number of GiB no larger than the "
+                              f"device memory of {tgt.name} ({tgt.memory_bytes / 2**30:.1f} GiB)")
         pipeline = with_option(pipeline, "plan-memory", "budget_gib", memory_budget)
     check_pipeline(pipeline)
     res = compile_model(spec=spec, target=tgt, num_devices=devices, fixed=fixed,

@@ -6,7 +6,7 @@ decisions with freshly computed costs, and gives a plan's simulated step action 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 from moeplan import __version__
@@ -16,12 +16,12 @@ from moeplan.passes.shard import ShardPass
 from moeplan.cost_models.timeline import StageProgram, Timeline, simulate
 from moeplan.passes.simulate import SimulatePass, run_settings, stage_programs
 from moeplan.plan import (SCHEMA_VERSION, Plan, PlanCollective, PlanComm, PlanCommClass, PlanExperts, PlanLayerCost,
-                          PlanLayerDecisions, PlanLayout, PlanMemory, PlanModel, PlanOpDecision, PlanPrediction,
-                          PlanProvenance, PlanRankMemory, PlanSchedule, PlanSharding, PlanStages)
+                          PlanLayerDecisions, PlanLayout, PlanMemory, PlanModel, PlanOpDecision, PlanPrecision,
+                          PlanPrediction, PlanProvenance, PlanRankMemory, PlanSchedule, PlanSharding, PlanStages)
 from moeplan.search import Evaluated, Fixed, SearchResult, search
 from moeplan.spec import ModelSpec
 from moeplan.state import (MECHANISMS, CommOp, ExpertPlacement, GroupChoice, MemoryPlan, OpDecision, PlanState,
-                           Schedule, StageMemory, StagePlan, Strategy)
+                           Precision, Schedule, StageMemory, StagePlan, Strategy)
 from moeplan.targets import Target
 from moeplan.trace import trace_model
 
@@ -85,7 +85,8 @@ def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: 
         layout=PlanLayout(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, ep=lay.ep, etp=lay.etp, cp=lay.cp, dp=lay.dp,
                           micro_batch=lay.micro_batch, global_batch=lay.global_batch, seq_len=lay.seq_len,
                           num_devices=lay.world_size, num_microbatches=lay.num_microbatches,
-                          sequence_parallel=lay.sequence_parallel, tp_extend_ep=lay.tp_extend_ep),
+                          sequence_parallel=lay.sequence_parallel, tp_extend_ep=lay.tp_extend_ep,
+                          dp_shard=lay.dp_shard),
         stages=PlanStages(placement=st.stages.placement, chunks=[[list(c) for c in r] for r in st.stages.chunks],
                           chunk_time_s=[list(r) for r in st.stages.chunk_time_s], imbalance=st.stages.imbalance,
                           empty_layers=list(st.stages.empty_layers), reason=st.stages.reason),
@@ -96,11 +97,15 @@ def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: 
                                            collectives=[_collective(x) for x in c.comm])
                     for k, c in st.sharding.layer_costs.items()}),
         experts=PlanExperts(shards=[list(s) for s in st.experts.shards], groups_aligned=st.experts.groups_aligned),
-        memory=PlanMemory(budget_bytes=round(st.memory.budget_bytes), recompute=st.strategy.recompute, ranks=[
+        memory=PlanMemory(budget_bytes=round(st.memory.budget_bytes), recompute=st.strategy.recompute,
+                          recompute_modules=list(st.strategy.recompute_modules),
+                          precision=PlanPrecision(**asdict(st.strategy.precision)), ranks=[
             PlanRankMemory(pp_rank=m.pp_rank, recompute=m.recompute, params_bytes=round(m.params_bytes),
                            grads_bytes=round(m.grads_bytes), optimizer_bytes=round(m.optimizer_bytes),
                            activation_bytes=round(m.activation_bytes), workspace_bytes=round(m.workspace_bytes),
-                           total_bytes=round(m.total_bytes), in_flight_microbatches=m.in_flight_microbatches,
+                           working_set_bytes=round(m.working_set_bytes), comm_buffer_bytes=round(m.comm_buffer_bytes),
+                           runtime_bytes=round(m.runtime_bytes), allocator_bytes=round(m.allocator_bytes),
+                           gathered_bytes=round(m.gathered_bytes), total_bytes=round(m.total_bytes), in_flight_microbatches=m.in_flight_microbatches,
                            decisions=[_plan_decisions(d) for d in m.decisions],
                            exposed_swap_s=[list(x) for x in m.exposed_swap_s], solve_status=m.solve_status,
                            solve_gap=m.solve_gap, solve_reason=m.solve_reason)
@@ -123,12 +128,14 @@ def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: 
 def layout_of(plan: Plan) -> Layout:
     p = plan.layout
     return Layout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, dp=p.dp, micro_batch=p.micro_batch,
-                  global_batch=p.global_batch, seq_len=p.seq_len)
+                  global_batch=p.global_batch, seq_len=p.seq_len, dp_shard=p.dp_shard)
 
 
 def strategy_of(plan: Plan) -> Strategy:
     return Strategy(schedule=plan.schedule.kind, dispatcher=plan.comm.dispatcher,
-                    overlap=frozenset(plan.comm.overlap), recompute=plan.memory.recompute)
+                    overlap=frozenset(plan.comm.overlap), recompute=plan.memory.recompute,
+                    recompute_modules=tuple(plan.memory.recompute_modules),
+                    precision=Precision(**plan.memory.precision.model_dump()))
 
 
 def state_from_plan(plan: Plan) -> PlanState:
@@ -145,7 +152,9 @@ def state_from_plan(plan: Plan) -> PlanState:
         StageMemory(pp_rank=m.pp_rank, recompute=m.recompute, params_bytes=m.params_bytes,
                     grads_bytes=m.grads_bytes, optimizer_bytes=m.optimizer_bytes,
                     activation_bytes=m.activation_bytes, workspace_bytes=m.workspace_bytes,
-                    in_flight_microbatches=m.in_flight_microbatches,
+                    working_set_bytes=m.working_set_bytes, comm_buffer_bytes=m.comm_buffer_bytes,
+                    runtime_bytes=m.runtime_bytes, allocator_bytes=m.allocator_bytes,
+                    gathered_bytes=m.gathered_bytes, in_flight_microbatches=m.in_flight_microbatches,
                     decisions=tuple(_state_decisions(d) for d in m.decisions),
                     exposed_swap_s=tuple((x[0], x[1]) for x in m.exposed_swap_s), solve_status=m.solve_status,
                     solve_gap=m.solve_gap, solve_reason=m.solve_reason) for m in plan.memory.ranks))

@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from moeplan.errors import PlanError
-from moeplan.plan import Plan, PlanLayout, load_plan
+from moeplan.plan import MEMORY_TERMS, Plan, PlanLayout, load_plan
 from moeplan.render import compact
 
 REL_TOL = 1e-6
@@ -199,7 +199,8 @@ def _stages(a: Plan, b: Plan) -> list[Row]:
 
 def _memory(a: Plan, b: Plan) -> list[Row]:
     rows = _rows(_row("budget", a.memory.budget_bytes / GIB, b.memory.budget_bytes / GIB, unit="GiB"),
-                 _row("recompute asked", a.memory.recompute, b.memory.recompute))
+                 _row("recompute asked", a.memory.recompute, b.memory.recompute),
+                 _row("precision", a.memory.precision.short(), b.memory.precision.short()))
     ma, mb = {m.pp_rank: m for m in a.memory.ranks}, {m.pp_rank: m for m in b.memory.ranks}
     for r in sorted(ma | mb):
         x, y = ma.get(r), mb.get(r)
@@ -208,9 +209,7 @@ def _memory(a: Plan, b: Plan) -> list[Row]:
             continue
         rows += _rows(_row(f"pp {r} · recompute", x.recompute, y.recompute),
                       *(_row(f"pp {r} · {label}", getattr(x, f) / GIB, getattr(y, f) / GIB, unit="GiB")
-                        for label, f in (("params", "params_bytes"), ("grads", "grads_bytes"),
-                                         ("optimizer", "optimizer_bytes"), ("activations", "activation_bytes"),
-                                         ("workspace", "workspace_bytes"), ("total", "total_bytes"))),
+                        for label, f in (*MEMORY_TERMS, ("total", "total_bytes"))),
                       _row(f"pp {r} · in-flight micro-batches", x.in_flight_microbatches, y.in_flight_microbatches))
         da = {(d.chunk, d.kind): (d.recomputed, d.swapped) for d in x.decisions}
         db = {(d.chunk, d.kind): (d.recomputed, d.swapped) for d in y.decisions}

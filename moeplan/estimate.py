@@ -14,36 +14,38 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Mapping
 
-from moeplan.cost_models.memory import model_state_bytes
+from moeplan.cost_models.memory import (MODES, Overheads, RankParts, fsdp_state_bytes, model_state_bytes, overheads,
+                                        rank_parts, state_bytes_per_param)
 from moeplan.cost_models.timeline import action_time_s, concat_segments
 from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout
-from moeplan.passes.partition_stages import split_runs
-from moeplan.passes.plan_memory import MODES, saved_bytes
-from moeplan.passes.schedule import FB_PAIRED, Placement, in_flight_bound, placement_of, stage_rank
+from moeplan.passes.partition_stages import SLOT_KINDS, piece_time_s, split_runs
+from moeplan.passes.schedule import FB_PAIRED, Placement, in_flight_by_rank, placement_of, stage_of, stage_rank
 from moeplan.passes.shard import layer_cost
-from moeplan.passes.simulate import adam_s, beside_compute, dp_sync_s, recompute_work
-from moeplan.state import Dispatcher, LayerCost, LayerProgram, ScheduleKind, Strategy
+from moeplan.passes.simulate import (replica_reductions, adam_s, beside_compute, dp_sync_s, owned_params,
+                                     recompute_work)
+from moeplan.state import Dispatcher, LayerCost, LayerProgram, Precision, ScheduleKind, StageMemory, Strategy
 from moeplan.targets import Target
 
 @dataclass(frozen=True)
 class ModelCost:
     """The whole model (every slot once) for one micro-batch on one device, each layer priced on an idle rank by the
     timeline: forward, input gradient, weight gradient and (under ``fb``) forwards overlapped with backwards, in
-    seconds; per recompute mode the forward work redone (seconds) and the activation bytes kept."""
+    seconds; per recompute mode the forward work redone (seconds)."""
 
     fwd: float
     bwd_input: float
     bwd_weight: float
     pair: float
     recompute_s: Mapping[str, float]
-    act_bytes: Mapping[str, float]
     pair_edge: float = 0.0  # under fb, the first layer's extra once per pair action: model_cost
     bwd_busy_s: Mapping[str, float] = field(default_factory=dict)  # per link tier: seconds its backward holds it
+    layers: Mapping[LayerKind, LayerCost] = field(default_factory=dict)  # each kind's cost (the memory estimate)
+    piece_s: Mapping[LayerKind, float] = field(default_factory=dict)  # what the partition pass splits by: piece_time_s
 
 
 def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Dispatcher, overlap: frozenset,
-                counts: Counter, cache: dict) -> ModelCost:
+               counts: Counter, cache: dict, precision: Precision = Precision()) -> ModelCost:
     """:class:`ModelCost` of the slots ``counts``. ``cache`` keeps each kind's layer cost and timeline prices per
     what they depend on: (tp, cp, micro-batch) for a layer without routed experts, also (ep, etp, dispatcher) for
     one with them.
@@ -56,11 +58,19 @@ def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Di
     alone are priced one layer at a time."""
     f = i = w = pair = 0.0
     redo = dict.fromkeys(MODES, 0.0)
-    act = dict.fromkeys(MODES, 0.0)
     busy = {"intra": 0.0, "inter": 0.0}
     edges: dict[LayerKind, float] = {}
+    layers: dict[LayerKind, LayerCost] = {}
+    piece: dict[LayerKind, float] = {}
+    kinds = ([LayerKind.EMPTY] if LayerKind.EMPTY in graph.layers else []) + list(counts)  # the partition may pad
+    for kind in kinds:  # chunks with empty layers
+        key, priced = layer_prices(graph, kind, layout, target, dispatcher, cache, precision)
+        layers[kind] = priced[0]
+        if ("piece", key, overlap) not in cache:
+            cache[("piece", key, overlap)] = piece_time_s(priced[0], beside_compute(target, overlap))
+        piece[kind] = cache[("piece", key, overlap)]
     for kind, n in counts.items():
-        key, priced = layer_prices(graph, kind, layout, target, dispatcher, cache)
+        key, priced = layer_prices(graph, kind, layout, target, dispatcher, cache, precision)
         if ("kind", key, overlap) not in cache:
             cache[("kind", key, overlap)] = _kind_prices(key, priced[0].program, target, overlap, cache)
         lf, li, lw, lp, edges[kind], lbusy = cache[("kind", key, overlap)]
@@ -69,8 +79,7 @@ def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Di
             busy[tier] += n * secs
         for m in MODES:
             redo[m] += n * priced[1][m]
-            act[m] += n * priced[2][m]
-    return ModelCost(f, i, w, pair, redo, act, edges[max(counts, key=counts.__getitem__)], busy)
+    return ModelCost(f, i, w, pair, redo, edges[max(counts, key=counts.__getitem__)], busy, layers, piece)
 
 
 def _kind_prices(key: tuple, prog: LayerProgram, target: Target, overlap: frozenset, cache: dict
@@ -94,16 +103,17 @@ def _kind_prices(key: tuple, prog: LayerProgram, target: Target, overlap: frozen
 
 
 def layer_prices(graph: ModelGraph, kind: LayerKind, layout: Layout, target: Target, dispatcher: Dispatcher,
-            cache: dict) -> tuple[tuple, tuple[LayerCost, dict[str, float], dict[str, float]]]:
-    """(cache key, (layer cost, recompute seconds per mode, activation bytes per mode)) of one layer kind, priced
-    once per what it depends on (:func:`model_cost`)."""
+                 cache: dict, precision: Precision = Precision()) -> tuple[tuple, tuple[LayerCost, dict[str, float]]]:
+    """(cache key, (layer cost, recompute seconds per mode)) of one layer kind, priced once per what it depends
+    on (:func:`model_cost`): FSDP's collectives also depend on dp_shard and dp·cp, and the recipe's ``precision``."""
     lg = graph.layer(kind)
-    key = (kind, layout.tp, layout.cp, layout.micro_batch) + (
+    fsdp = (layout.dp_shard, layout.dp, layout.pp) if layout.dp_shard > 1 else ()
+    key = (kind, layout.tp, layout.cp, layout.micro_batch, precision, fsdp) + (
         (layout.ep, layout.etp, dispatcher) if lg.expert_param_count else ())
     if key not in cache:
-        lc = layer_cost(lg, spec=graph.spec, layout=layout, target=target, dispatcher=dispatcher,
+        lc = layer_cost(lg, spec=graph.spec, layout=layout, target=target, dispatcher=dispatcher, precision=precision,
                         op_times=cache.setdefault("op_times", {}))
-        cache[key] = (lc, {m: recompute_work(lc, m)[0] for m in MODES}, {m: saved_bytes(lc, m) for m in MODES})
+        cache[key] = (lc, {m: recompute_work(lc, m)[0] for m in MODES})
     return key, cache[key]
 
 
@@ -115,22 +125,108 @@ def stage_params(layout: Layout, graph: ModelGraph, counts: Counter) -> tuple[fl
     return dense, expert
 
 
-def static_bytes(layout: Layout, params: tuple[float, float]) -> float:
-    """Model-state bytes per device of an average stage (``params`` from :func:`stage_params`): a lower bound for
-    the fullest stage (no activations)."""
-    return model_state_bytes(dense_params=params[0], expert_params=params[1], dense_dp=layout.dp * layout.cp,
-                             expert_dp=layout.expert_dp).total_bytes
+def static_bytes(layout: Layout, params: tuple[float, float], target: Target, strategy: Strategy, *,
+                 hidden_size: int) -> float:
+    """Bytes per device of an average stage's model states (``params`` from :func:`stage_params`) with the
+    overheads that do not depend on activations (cost_models/memory.py): a lower bound of the fullest device's
+    memory, for the search to drop a layout before pricing it."""
+    if layout.dp_shard > 1:
+        ms = fsdp_state_bytes(dense_params=params[0], expert_params=params[1], layout=layout,
+                              precision=strategy.precision)
+    else:
+        ms = model_state_bytes(dense_params=params[0], expert_params=params[1], dense_dp=layout.dp * layout.cp,
+                               expert_dp=layout.expert_dp, param_bytes=target.dtype_bytes,
+                               precision=strategy.precision, runtime=target.runtime)
+    over = overheads(layout, strategy, target, hidden_size=hidden_size)
+    return over.runtime_bytes + over.comm_buffer_bytes + ms.total_bytes
 
 
 @dataclass(frozen=True)
 class Estimate:
     """The closed-form step estimate of one (layout, strategy): seconds, the recompute mode its memory estimate
-    needs, and whether any mode fits (an estimate: the memory pass decides)."""
+    needs (the costliest any rank needs), whether every rank fits under some mode, and the fullest rank's bytes
+    under its mode (the memory model of the ``plan-memory`` pass, cost_models/memory.py)."""
 
     step_s: float
     recompute: str
     fits: bool
-    memory_bytes: float = 0.0  # per device, of the average stage under ``recompute``
+    memory_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per PP rank, its memory under the cheapest whole-layer mode that fits the budget (the last one tried when
+    none does), as the ``plan-memory`` pass prices it: each rank's parts, in-flight vectors and mode (the terms,
+    :meth:`ranks`, are built when asked), whether every rank fits, the fullest rank's bytes and the costliest mode
+    any rank needs."""
+
+    parts: tuple[tuple[RankParts, tuple[tuple[int, ...], ...], str], ...]
+    over: Overheads
+    fits: bool
+    peak_bytes: float
+    recompute: str
+
+    def ranks(self) -> tuple[StageMemory, ...]:
+        """Every term of each rank's device (cost_models/memory.py :class:`~moeplan.cost_models.memory.RankParts`)."""
+        return tuple(p.memory(r, v, mode, self.over) for r, (p, v, mode) in enumerate(self.parts))  # type: ignore[arg-type]
+
+
+_STAGES: dict = {}
+
+
+def _stage_kinds(layout: Layout, strategy: Strategy, cost: ModelCost, kinds: tuple[LayerKind, ...],
+                 target: Target) -> tuple[tuple[LayerKind, ...], ...]:
+    """Per pipeline stage, its layers' kinds as the partition pass splits them (passes/partition_stages.py:
+    the same piece times, the same split, the same empty layers)."""
+    times = [cost.piece_s[k] for k in kinds]
+    key = (tuple(times), layout.pp, layout.vpp, placement_of(strategy.schedule))
+    if key not in _STAGES:
+        flags = [int(k in SLOT_KINDS) for k in kinds]
+        runs, capacity, _ = split_runs(times, flags, pp=layout.pp, vpp=layout.vpp, placement=key[3])
+        out, start = [], 0
+        for r in runs:
+            part = list(kinds[start:start + r])
+            if capacity is not None:
+                part += [LayerKind.EMPTY] * (capacity - sum(flags[start:start + r]))
+            out.append(tuple(part))
+            start += r
+        if len(_STAGES) > 4096:
+            _STAGES.clear()
+        _STAGES[key] = tuple(out)
+    return _STAGES[key]
+
+
+def estimate_memory(layout: Layout, strategy: Strategy, cost: ModelCost, *, kinds: tuple[LayerKind, ...],
+                    target: Target, budget: float, hidden_size: int) -> MemoryEstimate:
+    """Every PP rank's memory as ``plan-memory`` prices it (cost_models/memory.py), on the stage split the
+    partition pass makes and the schedule pass's action lists, under the cheapest whole-layer mode that fits
+    ``budget`` (per-tensor modes are estimated by the whole-layer modes: ``mindspeed`` by ``selective``, the ILP
+    modes by any of them; the pass decides)."""
+    modes = {"auto": MODES, "ilp": MODES, "ilp-no-swap": MODES, "mindspeed": ("selective",),
+             "modules": ("selective",)}.get(strategy.recompute, (strategy.recompute,))
+    stages = _stage_kinds(layout, strategy, cost, kinds, target)
+    fb = "fb" in strategy.overlap
+    vectors = in_flight_by_rank(strategy.schedule, pp=layout.pp, vpp=layout.vpp,
+                                num_microbatches=layout.num_microbatches, fb=fb)
+    placement = placement_of(strategy.schedule)
+    over = overheads(layout, strategy, target, hidden_size=hidden_size)
+    ranks, fits, peak, costliest = [], True, 0.0, 0
+    parts: dict[tuple, RankParts] = {}  # per distinct chunk layers: ranks of one split share most
+    for r in range(layout.pp):
+        chunk_kinds = tuple(stages[stage_of(r, c, pp=layout.pp, placement=placement)] for c in range(layout.vpp))
+        if chunk_kinds not in parts:
+            parts[chunk_kinds] = rank_parts([[cost.layers[k] for k in ck] for ck in chunk_kinds], layout=layout,
+                                            precision=strategy.precision, target=target, modes=modes)
+        rp = parts[chunk_kinds]
+        for mode in modes:
+            total = rp.total(vectors[r], mode, over)
+            if total <= budget:
+                break
+        else:
+            fits = False
+        peak, costliest = max(peak, total), max(costliest, MODES.index(mode) if mode in MODES else 0)
+        ranks.append((rp, vectors[r], mode))
+    return MemoryEstimate(tuple(ranks), over, fits, peak, MODES[costliest] if modes[0] in MODES else modes[0])
 
 
 @lru_cache(maxsize=256)
@@ -150,11 +246,11 @@ def rank_load(times: tuple[float, ...], slots: tuple[int, ...], pp: int, vpp: in
 
 def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weights: tuple[float, ...],
                   slots: tuple[int, ...], params: tuple[float, float], target: Target,
-                  load: float | None = None) -> Estimate:
+                  memory: MemoryEstimate, load: float | None = None) -> Estimate:
     """Closed-form step estimate (docs/step-model.md §4), for ranking layouts before the full pipeline:
 
-    - **Recompute**: the cheapest mode (or the fixed one) whose memory fits — model states of the average stage
-      plus :func:`~moeplan.passes.schedule.in_flight_bound` micro-batch chunks of the average chunk's activations;
+    - **Recompute**: ``memory``'s (:func:`estimate_memory`: the cheapest mode per rank that fits, as the memory
+      pass prices it); the redone forward of the costliest mode any rank needs;
     - **Stages**: the pipeline flows at the pace of its busiest rank, so every pass is scaled by that rank's load
       over the balanced ``1/pp`` (:func:`rank_load` of the slots' ``weights``, their forward + backward FLOPs,
       split as the partition pass splits, ``slots`` marking the decoder layers: how uneven the split comes out
@@ -173,20 +269,9 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
     decreases with it, so ``load=1`` gives a lower bound of the estimate (the architecture screen prunes with it).
     """
     pp, vpp, m = layout.pp, layout.vpp, layout.num_microbatches
-    static = static_bytes(layout, params)
     chunks = pp * vpp
     fb = "fb" in strategy.overlap
-    held = in_flight_bound(strategy.schedule, pp=pp, vpp=vpp, num_microbatches=m, fb=fb)
-    # per-tensor modes are estimated by whole-layer modes (an approximation: ilp's choices include near-equivalents
-    # of none, selective and full; mindspeed is closest to selective); plan-memory decides
-    modes = {"auto": MODES, "ilp": MODES, "ilp-no-swap": MODES, "mindspeed": ("selective",)}.get(
-        strategy.recompute, (strategy.recompute,))
-    fits = False
-    for mode in modes:
-        memory = static + held * cost.act_bytes[mode] / chunks
-        if memory <= target.usable_memory_bytes:
-            fits = True
-            break
+    mode = memory.recompute
     if load is None:
         load = rank_load(weights, slots, pp, vpp, placement_of(strategy.schedule))
     load /= pp
@@ -205,12 +290,16 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
     else:  # zero-bubble family: (pp − 1)(F + I − W) per chunk
         bubble = (pp - 1) * max(0.0, f + i - w) / vpp
     dense, expert = params
-    tail = adam_s(dense / (layout.dp * layout.cp) + expert / layout.expert_dp, target)
+    tail = adam_s(owned_params(layout, dense, expert), target)
     overlap_dp = "dp" in strategy.overlap
+    grad_bytes = state_bytes_per_param(target.dtype_bytes, strategy.precision)[1]
     rs_chunk, taken = 0.0, 0.0
+    if layout.dp_shard > 1:  # FSDP reduces in each layer's backward; replicas all-reduce their shards after it
+        tail += sum(o.time_s for o in replica_reductions(layout, target, 0, dense, expert, grad_bytes))
     for n, group, stride in ((dense, layout.dp * layout.cp, layout.tp), (expert, layout.expert_dp, layout.tp * layout.ep)):
-        if n and group > 1:
-            rs, ag, tier = dp_sync_s(n / vpp if overlap_dp else n, group=group, stride=stride, target=target)
+        if n and group > 1 and layout.dp_shard == 1:
+            rs, ag, tier = dp_sync_s(n / vpp if overlap_dp else n, group=group, stride=stride, target=target,
+                                     grad_bytes=grad_bytes)
             if overlap_dp:
                 rs_chunk += rs
                 # the backwards' own collectives hold the tier for this share of the drain
@@ -220,7 +309,7 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
     if rs_chunk:
         windows = drain_windows(kind, pp=pp, vpp=vpp, chunk_backward_s=(i + w) / vpp)
         tail += exposed_reduce_scatter_s(rs_chunk, [x * (1 - taken) for x in windows])
-    return Estimate(step_s=work + bubble + tail, recompute=mode, fits=fits, memory_bytes=memory)
+    return Estimate(step_s=work + bubble + tail, recompute=mode, fits=memory.fits, memory_bytes=memory.peak_bytes)
 
 
 def drain_windows(kind: ScheduleKind, *, pp: int, vpp: int, chunk_backward_s: float) -> list[float]:

@@ -323,10 +323,12 @@ def _screen_group(task: tuple[list[tuple[int, ModelSpec]], list[tuple[Layout, St
                   ) -> list[Screened]:
     """Screen architectures of one signature (module docstring, step 2)."""
     from moeplan.passes.partition_stages import SLOT_KINDS
-    from moeplan.estimate import estimate_step, model_cost, slot_weights, stage_params, static_bytes
+    from moeplan.cost_models.memory import budget_bytes
+    from moeplan.estimate import estimate_memory, estimate_step, model_cost, slot_weights, stage_params, static_bytes
     from moeplan.search import _shape_key, check
 
     group, shortlist, target, num_devices = task
+    budget = budget_bytes(target)
     cache: dict = {}  # prices of this signature's layers, shared by its architectures
     out = []
     for index, spec in group:
@@ -349,20 +351,25 @@ def _screen_group(task: tuple[list[tuple[int, ModelSpec]], list[tuple[Layout, St
                 continue
             pkey = (lay.tp, lay.pp, lay.ep)
             params = params_of.get(pkey) or params_of.setdefault(pkey, stage_params(lay, graph, counts))
-            if static_bytes(lay, params) > target.usable_memory_bytes:
+            if static_bytes(lay, params, target, st, hidden_size=spec.hidden_size) > budget:
                 reasons["model states exceed device memory"] += 1
                 continue
             ckey = (_shape_key(lay, st), st.overlap)
             cost = costs.get(ckey) or costs.setdefault(
-                ckey, model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache))
-            low = estimate_step(lay, st, cost, weights=weights, slots=flags, params=params, target=target, load=1.0)
-            bounded.append(((not low.fits, low.step_s), len(bounded), lay, st, cost, params))
+                ckey, model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache,
+                                 st.precision))
+            memory = estimate_memory(lay, st, cost, kinds=tuple(slots), target=target, budget=budget,
+                                     hidden_size=spec.hidden_size)
+            low = estimate_step(lay, st, cost, weights=weights, slots=flags, params=params, target=target,
+                                memory=memory, load=1.0)
+            bounded.append(((not low.fits, low.step_s), len(bounded), lay, st, cost, params, memory))
         bounded.sort(key=lambda x: x[:2])
         best = None
-        for low, _, lay, st, cost, params in bounded:  # the split's load only raises a step: stop at the first bound
-            if best is not None and low >= (not best[0].fits, best[0].step_s):  # that cannot beat the best
+        for low, _, lay, st, cost, params, memory in bounded:  # the split's load only raises a step: stop at the
+            if best is not None and low >= (not best[0].fits, best[0].step_s):  # first bound that cannot beat the best
                 break
-            est = estimate_step(lay, st, cost, weights=weights, slots=flags, params=params, target=target)
+            est = estimate_step(lay, st, cost, weights=weights, slots=flags, params=params, target=target,
+                                memory=memory)
             if best is None or (not est.fits, est.step_s) < (not best[0].fits, best[0].step_s):
                 best = (est, lay, st)
         if best is None:
@@ -380,6 +387,7 @@ def shortlist(specs: list[ModelSpec], *, target: Target, num_devices: int, keep:
               workers: int | None = None) -> list[tuple[Layout, Strategy]]:
     """The best ``keep`` (layout, strategy) options by estimate of each representative in ``specs``, in order,
     without repeats (module docstring, step 1)."""
+    from moeplan.cost_models.memory import budget_bytes
     from moeplan.search import Fixed, build_options, rank_by_estimate
     from moeplan.trace import trace_model
 
@@ -387,8 +395,10 @@ def shortlist(specs: list[ModelSpec], *, target: Target, num_devices: int, keep:
     for spec in specs:
         graph = trace_model(spec, seq_len=spec.seq_len)
         fixed = Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len)
-        built = build_options(graph=graph, target=target, num_devices=num_devices, fixed=fixed)
-        ranked = rank_by_estimate(graph=graph, target=target, options=built.options, workers=workers)
+        budget = budget_bytes(target)
+        built = build_options(graph=graph, target=target, num_devices=num_devices, fixed=fixed, budget=budget)
+        ranked = rank_by_estimate(graph=graph, target=target, options=built.options, budget=budget,
+                                  workers=workers)
         for _, _, lay, st in ranked[:keep]:
             seen.setdefault((lay, st), None)
     return list(seen)

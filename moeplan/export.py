@@ -209,6 +209,27 @@ class _Args:
             self.notes.append(f"model.spec {', '.join(left)}: no {runtime} flag")
 
 
+def _precision(plan: Plan, a: _Args) -> None:
+    """The recipe's model-state precision (``memory.precision``, cost_models/memory.py) in Megatron-LM's flags
+    (megatron/training/arguments.py: ``--use-distributed-optimizer``, ``--grad-reduce-in-bf16``,
+    ``--use-precision-aware-optimizer`` with ``--main-params-dtype`` fp32|fp16 and ``--exp-avg-dtype`` /
+    ``--exp-avg-sq-dtype``; MindSpeed-LLM reads the same)."""
+    prec = plan.memory.precision
+    if plan.layout.dp_shard == 1 and prec.distributed_optimizer:
+        a.add("--use-distributed-optimizer")
+    if prec.grad_dtype == "bf16":
+        a.add("--grad-reduce-in-bf16")
+    if prec.main_params_dtype != "fp32" or prec.moments_dtype != "fp32":
+        a.add("--use-precision-aware-optimizer")
+        if prec.main_params_dtype == "fp16":
+            a.add("--main-params-dtype", "fp16")
+        elif prec.main_params_dtype == "bf16":
+            a.notes.append("memory.precision.main_params_dtype='bf16': --main-params-dtype takes fp32 or fp16 only")
+        if prec.moments_dtype != "fp32":
+            a.add("--exp-avg-dtype", prec.moments_dtype)
+            a.add("--exp-avg-sq-dtype", prec.moments_dtype)
+
+
 def _common(plan: Plan, a: _Args) -> None:
     """Flags Megatron-LM and MindSpeed-LLM share: degrees, batch, precision, the dense model and MLA/GQA attention
     (megatron/training/arguments.py; the spec's fields per moeplan/spec.py)."""
@@ -218,7 +239,9 @@ def _common(plan: Plan, a: _Args) -> None:
     a.add("--context-parallel-size", lay.cp)
     if lay.sequence_parallel:
         a.add("--sequence-parallel")
-    a.add("--use-distributed-optimizer")  # moeplan's memory plan shards optimizer states (cost_models/memory.py)
+    _precision(plan, a)
+    if lay.dp_shard > 1:
+        a.add("--data-parallel-sharding-strategy", "optim_grads_params")  # ZeRO-3 sharding
     a.add("--micro-batch-size", lay.micro_batch)
     a.add("--global-batch-size", lay.global_batch)
     a.add("--seq-length", lay.seq_len)
@@ -299,11 +322,35 @@ def _schedule_note(plan: Plan, a: _Args, runtime: str, supported: tuple[str, ...
                        f"with VPP); the exact action lists are in `--to torch-pipelining`")
 
 
+MINDSPEED_MODULE_FLAGS = {"layernorm": "--recompute-norm", "moe_act": "--recompute-activation-function",
+                          "mla_up_proj": "--recompute-mla-up-proj"}
+"""MindSpeed-LLM's own flags for Megatron-LM's recompute modules (mindspeed/features_manager/recompute)."""
+
+
+def _recompute_modules(plan: Plan, a: _Args, megatron: bool) -> None:
+    """``--recompute modules:…``: Megatron-LM's ``--recompute-granularity selective --recompute-modules`` as
+    planned; MindSpeed-LLM takes its own flag where it has one and the core_v0.12 modules otherwise."""
+    modules = list(plan.memory.recompute_modules)
+    if not megatron:
+        for m in [m for m in modules if m in MINDSPEED_MODULE_FLAGS]:
+            a.add(MINDSPEED_MODULE_FLAGS[m])
+            modules.remove(m)
+        for m in [m for m in modules if m not in MEGATRON_012_MODULES]:
+            a.notes.append(f"memory.recompute_modules: {m!r} is not a MindSpeed-LLM (core_v0.12) recompute module")
+            modules.remove(m)
+    if modules:
+        a.add("--recompute-granularity", "selective")
+        a.add("--recompute-modules", *modules)
+
+
 def _recompute(plan: Plan, a: _Args, runtime: str) -> None:
     """Recompute and swap flags: one whole-layer mode for every rank, or the per-op decisions' own flags
     (``PlanOpDecision.flag``, cost_models/saved_tensors.py flag_of)."""
     mode = _whole_layer_mode(plan, a.notes)
     megatron = runtime == "Megatron-LM"
+    if plan.memory.recompute == "modules":
+        _recompute_modules(plan, a, megatron)
+        return
     if mode == "full":
         a.add("--recompute-granularity", "full")
         a.add("--recompute-method", "uniform")
@@ -373,6 +420,14 @@ def _megatron(plan: Plan) -> _Args:
     a, lay, spec = _Args(), plan.layout, plan.model.spec
     rt = "Megatron-LM"
     _common(plan, a)
+    if lay.dp_shard > 1:  # Megatron-FSDP (megatron/core/distributed/fsdp): ZeRO-3 over the DP (× CP) group
+        a.add("--use-megatron-fsdp")
+        if lay.dp_shard < lay.dp:
+            a.notes.append(f"layout.dp_shard={lay.dp_shard} < dp={lay.dp} (HSDP): Megatron-FSDP shards over the "
+                           f"whole DP group; set its hybrid sharding by hand")
+    if plan.memory.precision.fp8_activation_input:
+        a.notes.append("memory.precision.fp8_activation_input: TransformerConfig.activation_func_fp8_input_store, "
+                       "which has no command-line flag (megatron/training/arguments.py); set it in the config")
     a.add("--num-layers", spec.num_layers)
     if plan.target.training_dtype == "fp8":
         a.add("--fp8-format", "e4m3")  # 1x128-tile scaled e4m3 GEMMs (DeepSeek-V3 §3.3): TE's blockwise recipe
@@ -467,6 +522,11 @@ def _mindspeed(plan: Plan) -> _Args:
     rt = "MindSpeed-LLM"
     fb = "fb" in plan.comm.overlap
     _common(plan, a)
+    if lay.dp_shard > 1:
+        a.drop("--data-parallel-sharding-strategy", f"layout.dp_shard={lay.dp_shard}: MindSpeed-LLM runs ZeRO-1 "
+                                                     f"only (no Megatron-FSDP); this plan's FSDP layout cannot run")
+    if plan.memory.precision.fp8_activation_input:
+        a.notes.append("memory.precision.fp8_activation_input: no MindSpeed-LLM flag keeps the SwiGLU input in FP8")
     if plan.target.training_dtype == "fp8":
         a.notes.append("target.training_dtype='fp8': no FP8 GEMM recipe exported for MindSpeed-LLM (bf16 set)")
     if plan.schedule.kind == "dualpipev":
@@ -591,12 +651,17 @@ def _torchtitan(plan: Plan) -> Export:
     pipelined = lay.pp > 1
     training = {"local_batch_size": lay.micro_batch * (lay.num_microbatches if pipelined else 1),
                 "global_batch_size": lay.global_batch, "seq_len": lay.seq_len}
-    par: dict[str, object] = {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": lay.dp,
+    fsdp = lay.dp_shard > 1
+    par: dict[str, object] = {"data_parallel_replicate_degree": lay.dp // lay.dp_shard if fsdp else 1,
+                              "data_parallel_shard_degree": lay.dp_shard if fsdp else lay.dp,
                               "tensor_parallel_degree": lay.tp, "context_parallel_degree": lay.cp,
                               "pipeline_parallel_degree": lay.pp}
-    if lay.dp > 1:
+    if fsdp:
+        par["fsdp_reshard_after_forward"] = "default"  # after forward except under PP: what moeplan prices
+    elif lay.dp > 1:
         notes.append("layout.dp: moeplan plans ZeRO-1 (replicated parameters, sharded optimizer states); torchtitan "
-                     "shards with FSDP2 (parameters and gradients too), so its memory and DP traffic differ")
+                     "shards with FSDP2 (parameters and gradients too), so its memory and DP traffic differ "
+                     "(compile with --dp-shard for an FSDP plan)")
     if pipelined:
         par["pipeline_parallel_schedule"] = TORCH_SCHEDULES[plan.schedule.kind]
         par["pipeline_parallel_microbatch_size"] = lay.micro_batch

@@ -20,12 +20,12 @@ compute segment that starts before the next action's first: one slice per comput
 whose children are the compute segments run meanwhile, each named ``{part} {segment}`` (``48B0 attn_core``), so a
 carried tail shows under the next action with its own part's name. ``args.part_end_ms`` gives when each part ended.
 
-Memory: model states and workspace (the plan's figures) plus the saved activations of the micro-batches in flight
+Memory: every term of the plan's memory that does not move during the step (model states, workspace,
+communication buffers, the runtime's bytes) plus the saved activations of the micro-batches in flight
 (``StageProgram.activation_bytes`` per stage and micro-batch, added when a forward starts and freed when its B, or
-W when split, ends: the simulator's rule) plus the backward working set the plan reserves on top
-(passes/plan_memory.py ``recompute_working_set``; for per-tensor modes the rest of the ILP's peak). Its peak equals
-the plan's ``total_bytes`` when the timed order of forwards and frees matches the action order that
-``peak_live_bytes`` walks.
+W when split, ends: the simulator's rule) plus the backward working set the plan reserves on top, the allocated
+transient bytes grown by the allocator's share (cost_models/memory.py). Its peak equals the plan's ``total_bytes`` when the
+timed order of forwards and frees matches the action order that ``peak_live_bytes`` walks.
 """
 from __future__ import annotations
 
@@ -36,12 +36,9 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 from moeplan.compile import layout_of, plan_timeline
-from moeplan.cost_models.memory import peak_live_bytes
 from moeplan.cost_models.timeline import (OVERLAP, TIERS, Action, Event, SegmentEvent, StageProgram, Timeline,
                                          compute_parts, parse_action)
 from moeplan.files import write_atomic
-from moeplan.ir import kind_of
-from moeplan.passes.plan_memory import MODES, recompute_working_set
 from moeplan.passes.schedule import action_kind
 from moeplan.passes.simulate import dp_collectives, dp_exposure, optimizer_s
 from moeplan.plan import Plan
@@ -72,8 +69,9 @@ class Slice(NamedTuple):
 @dataclass(frozen=True)
 class MemoryCurve:
     """One PP rank's device memory over the step, a step function: ``bytes_at[i]`` bytes from ``times_s[i]`` on.
-    ``static_bytes``: model states and workspace; ``working_set_bytes``: the backward working set reserved on top;
-    ``plan_total_bytes``: the plan's predicted peak of the rank (``memory.ranks[r].total_bytes``)."""
+    ``static_bytes``: the terms that do not move during the step (model states, workspace, communication buffers,
+    runtime; with the allocator's share); ``working_set_bytes``: the backward working set reserved on top (with the
+    allocator's share); ``plan_total_bytes``: the plan's predicted peak of the rank (``memory.ranks[r].total_bytes``)."""
 
     times_s: tuple[float, ...]
     bytes_at: tuple[float, ...]
@@ -83,7 +81,8 @@ class MemoryCurve:
 
     @property
     def activation_peak_bytes(self) -> float:
-        """The curve's peak less the model states and workspace: comparable to ``activation_bytes`` of the plan."""
+        """The curve's peak less its static bytes: comparable to the plan's ``activation_bytes`` plus
+        ``working_set_bytes`` (with the allocator's share)."""
         return max(self.bytes_at) - self.static_bytes
 
 
@@ -242,15 +241,11 @@ def _memory(r: int, state: PlanState, programs: Sequence[StageProgram], events: 
     """Rank ``r``'s memory curve (module docstring)."""
     assert state.memory is not None and state.sharding is not None and state.stages is not None
     mem = state.memory.stages[r]
-    stage_bytes = {s: programs[s].activation_bytes for s in range(len(programs))}
-    if mem.recompute in MODES:
-        spec, costs = state.graph.spec, state.sharding.layer_costs
-        layers = [costs[kind_of(spec, n)] for names in state.stages.chunks[r] for n in names]
-        working = float(recompute_working_set(layers, mem.recompute))
-    else:  # per-tensor modes: what the ILP's peak holds beyond the kept bytes of the micro-batches in flight
-        assert state.schedule is not None
-        working = mem.activation_bytes - peak_live_bytes(state.schedule.actions[r], stage_bytes)[0]
-    static = mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + mem.workspace_bytes
+    grow = 1 + state.target.memory_overheads.allocator_fraction  # the allocator's share of the transient bytes
+    stage_bytes = {s: programs[s].activation_bytes * grow for s in range(len(programs))}
+    working = mem.working_set_bytes * grow
+    static = (mem.runtime_bytes + mem.model_state_bytes + mem.comm_buffer_bytes
+              + grow * (mem.workspace_bytes + mem.gathered_bytes))
     deltas = []
     for e in events:
         if e.stream != "compute":

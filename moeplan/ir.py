@@ -75,6 +75,9 @@ class OpAnnotation:
     ``saved_inputs``). ``view_of``: for a view (an output sharing an input's storage: split, getitem, transpose,
     reshape), the producer of that input; a saved view keeps its base's whole storage alive. ``inputs``: the nodes
     whose outputs it reads (producers and placeholders, in argument order): what re-running it needs.
+    ``saved_act_input_bytes`` / ``saved_gemm_input_bytes``: the parts of ``saved_bytes`` that an activation
+    function keeps as its input (the gate/up output) and that a GEMM keeps as its input (the activation output),
+    for a node that runs several of them (the routed experts): FP8 storage and ``moe_act`` recompute act on them.
     """
 
     name: str
@@ -103,6 +106,8 @@ class OpAnnotation:
     eager_saved_inputs: tuple[str, ...] | None = None
     view_of: str | None = None
     inputs: tuple[str, ...] = ()
+    saved_act_input_bytes: int = 0
+    saved_gemm_input_bytes: int = 0
 
     @property
     def unit(self) -> str:

@@ -31,6 +31,11 @@ class Layout:
     micro_batch: int
     global_batch: int
     seq_len: int
+    dp_shard: int = 1
+    """FSDP / ZeRO-3 (torchtitan's ``data_parallel_shard_degree``): parameters, gradients and optimizer states
+    sharded over ``dp_shard`` of the ``dp`` replicas (times cp), each layer's weights all-gathered for its forward
+    and backward and its gradients reduce-scattered; ``dp / dp_shard`` replicas of that (HSDP). 1: ZeRO-1 (the
+    distributed optimizer over dp·cp)."""
 
     @property
     def world_size(self) -> int:
@@ -61,13 +66,21 @@ class Layout:
         return self.cp * self.dp // self.ep
 
     @property
-    def tokens_per_microbatch(self) -> int:
-        """Tokens of one micro-batch on one DP replica: ``micro_batch · seq_len``."""
-        return self.micro_batch * self.seq_len
+    def fsdp_group(self) -> int:
+        """Ranks a dense parameter is sharded over under FSDP: ``dp_shard · cp`` (torchtitan's ``dp_shard_cp``
+        mesh); 1 without FSDP."""
+        return self.dp_shard * self.cp if self.dp_shard > 1 else 1
+
+    @property
+    def expert_fsdp_group(self) -> int:
+        """Ranks a routed expert's parameters are sharded over under FSDP: the FSDP group less what EP takes of it,
+        ``dp_shard · cp / ep`` (torchtitan's ``dp_shard_mod_ep``), 1 when ep does not divide it."""
+        f = self.fsdp_group
+        return f // self.ep if f > 1 and f % self.ep == 0 else 1
 
     def short(self) -> str:
         return (f"tp{self.tp} pp{self.pp} vpp{self.vpp} ep{self.ep} etp{self.etp} cp{self.cp} dp{self.dp} "
-                f"mb{self.micro_batch}")
+                f"mb{self.micro_batch}" + (f" fsdp{self.dp_shard}" if self.dp_shard > 1 else ""))
 
 
 MAX_DEVICES = 2**20
@@ -91,6 +104,7 @@ REASONS = {
     "batch": "global_batch is not divisible by dp·micro_batch",
     "vpp-pp": "interleaving (vpp > 1) needs pp > 1",
     "microbatches": f"more than {2**16:,} micro-batches per replica",
+    "dp-shard": "dp_shard does not divide dp",
     "chunks": "pp·vpp chunks exceed the layers",
     "model-states": "memory: model states exceed device memory",
     "memory": "memory: plan exceeds device memory under every recompute mode",
@@ -167,6 +181,9 @@ def layout_rejection(layout: Layout, *, num_devices: int, devices_per_node: int,
                        f"must be divisible by dp·micro_batch = {lay.dp * lay.micro_batch}", lay.dp * lay.micro_batch)
     if lay.vpp > 1 and lay.pp == 1:
         return _reject("vpp-pp", "vpp", lay.vpp, "interleaving needs pp > 1")
+    if lay.dp_shard < 1 or lay.dp % lay.dp_shard:
+        return _reject("dp-shard", "dp_shard", lay.dp_shard, f"must divide dp = {lay.dp} (FSDP shards over dp_shard "
+                       f"of the dp replicas)", lay.dp)
     if lay.num_microbatches > MAX_MICROBATCHES:
         return _reject("microbatches", "global_batch", lay.global_batch, f"gives {lay.num_microbatches:,} micro-batches "
                        f"per replica (global_batch / (dp·micro_batch)); at most {MAX_MICROBATCHES:,} (docs/inputs.md)",

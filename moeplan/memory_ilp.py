@@ -98,21 +98,26 @@ def _windows(problem: RankProblem) -> tuple[list[float], list[float]]:
     return fwd, bwd
 
 
+def working_set(choices: Sequence[GroupChoice]) -> float:
+    """The backward working set of ``choices`` (module docstring): the most one layer re-makes and fetches back,
+    plus the most one layer has prefetched."""
+    return (max((ch.remade_bytes + ch.swapped_bytes for ch in choices), default=0.0)
+            + max((ch.swapped_bytes for ch in choices), default=0.0))
+
+
 def evaluate(problem: RankProblem, choices: Sequence[GroupChoice]) -> tuple[float, float, tuple]:
     """(seconds added to the step, peak bytes, per-chunk (out, in) exposed swap seconds per micro-batch) of
     ``choices`` under ``problem``'s model (module docstring)."""
     fwd, bwd = _windows(problem)
     kept, swapped, redo = [0.0] * len(fwd), [0.0] * len(fwd), [0.0] * len(fwd)
-    work = prefetch = 0.0
     for g, ch in zip(problem.groups, choices):
         kept[g.chunk] += g.count * ch.kept_bytes
         swapped[g.chunk] += g.count * ch.swapped_bytes
         redo[g.chunk] += g.count * ch.recompute_s
-        work, prefetch = max(work, ch.remade_bytes + ch.swapped_bytes), max(prefetch, ch.swapped_bytes)
     bw = problem.host_bandwidth
     exposed = tuple((max(0.0, s / bw - f), max(0.0, s / bw - b)) if bw else (0.0, 0.0)
                     for s, f, b in zip(swapped, fwd, bwd))
-    peak = max((sum(n * k for n, k in zip(v, kept)) for v in problem.in_flight), default=0.0) + work + prefetch
+    peak = max((sum(n * k for n, k in zip(v, kept)) for v in problem.in_flight), default=0.0) + working_set(choices)
     added = problem.microbatches * sum(r + o + i for r, (o, i) in zip(redo, exposed))
     return added, peak, exposed
 
@@ -232,7 +237,7 @@ def _infeasible(problem: RankProblem, solve_s: float) -> RankSolution:
     least = [choice_of(g, {o.name for o in g.layer.ops}, set()) for g in problem.groups]
     _, peak, _ = evaluate(problem, least)
     return RankSolution("infeasible", f"activations need at least {peak / 2**30:.2f} GiB with every op recomputed; "
-                        f"{max(problem.budget_bytes, 0) / 2**30:.2f} GiB are left after model states and workspace",
+                        f"{max(problem.budget_bytes, 0) / 2**30:.2f} GiB are left after model states, workspace and overheads",
                         0.0, float("inf"), peak, tuple(least), solve_s=solve_s)
 
 

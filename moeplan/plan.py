@@ -23,7 +23,7 @@ from moeplan.names import Dispatcher, Mechanism, ScheduleKind
 from moeplan.spec import ModelSpec
 from moeplan.targets import Target
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MFU_DEFINITION = ("MFU = model FLOPs/s ÷ (devices × peak bf16 FLOP/s); model FLOPs per token by Megatron-LM's causal "
                   "count without MTP (docs/references.md §4.1)")
 
@@ -83,6 +83,9 @@ class PlanLayout(_Frozen):
     """Megatron-LM sequence parallelism: activations outside the TP matmuls split over the TP ranks."""
     tp_extend_ep: bool
     """The expert group spans tp·ep ranks with unsplit experts (MindSpeed ``--moe-tp-extend-ep``; etp = 1 < tp)."""
+    dp_shard: int = Field(default=1, ge=1)
+    """FSDP (ZeRO-3) degree over the data-parallel replicas: parameters, gradients and optimizer states sharded
+    over dp_shard·cp ranks (torchtitan ``data_parallel_shard_degree``); 1: ZeRO-1."""
 
 
 class PlanStages(_Frozen):
@@ -211,18 +214,31 @@ class PlanRankMemory(_Frozen):
 
     pp_rank: int
     """The PP rank."""
-    recompute: Literal["none", "selective", "full", "mindspeed", "ilp-no-swap", "ilp"]
+    recompute: Literal["none", "selective", "full", "mindspeed", "modules", "ilp-no-swap", "ilp"]
     """Recompute mode of the rank's layers."""
     params_bytes: int
-    """Parameter bytes (bf16 weights)."""
+    """Parameter bytes (the training dtype's weights)."""
     grads_bytes: int
-    """Gradient bytes (fp32 main grads)."""
+    """Gradient bytes (``memory.precision.grad_dtype``)."""
     optimizer_bytes: int
-    """Optimizer-state bytes (fp32 master weights and Adam moments, sharded over DP: distributed optimizer)."""
+    """Optimizer-state bytes: master weights and Adam moments (``memory.precision``), sharded over DP when the
+    distributed optimizer is on."""
     activation_bytes: int
-    """Saved-activation bytes of the micro-batches in flight, plus one layer's backward working set."""
+    """Saved-activation bytes of the micro-batches in flight at the fullest point."""
     workspace_bytes: int
     """Largest transient of one op: its output and its gradient alive at once."""
+    working_set_bytes: int = 0
+    """One layer's backward working set: what its recompute re-makes, its swapped tensors back on the device and
+    the next layer's prefetch."""
+    comm_buffer_bytes: int = 0
+    """Communication libraries' buffers: one per communicator the device belongs to, DeepEP's under ``dedup``."""
+    runtime_bytes: int = 0
+    """What the process holds before its first tensor: driver context, kernel modules, library workspaces."""
+    allocator_bytes: int = 0
+    """The caching allocator's reserved-but-unallocated share (fragmentation)."""
+    gathered_bytes: int = 0
+    """FSDP: the unsharded weights in use (the running layer and the prefetched one, or every layer of the rank
+    under pipeline parallelism) and one layer's unsharded gradients."""
     total_bytes: int
     """The sum of the above."""
     in_flight_microbatches: int
@@ -239,13 +255,46 @@ class PlanRankMemory(_Frozen):
     """Why the solve is not optimal, when it is not."""
 
 
+MEMORY_TERMS: tuple[tuple[str, str], ...] = (
+    ("params", "params_bytes"), ("grads", "grads_bytes"), ("optimizer", "optimizer_bytes"),
+    ("activations", "activation_bytes"), ("working set", "working_set_bytes"), ("workspace", "workspace_bytes"),
+    ("gathered", "gathered_bytes"), ("comm buffers", "comm_buffer_bytes"), ("runtime", "runtime_bytes"),
+    ("allocator", "allocator_bytes"))
+"""The terms of a device's memory (:class:`PlanRankMemory`), as (label, field), in the order the views show them;
+``total_bytes`` is their sum."""
+
+
+class PlanPrecision(_Frozen):
+    """The recipe's model-state precision (moeplan.state.Precision)."""
+
+    grad_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Gradient buffer and DP reduction dtype (Megatron-LM ``--grad-reduce-in-bf16`` for bf16)."""
+    main_params_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """The optimizer's master weights (``--main-params-dtype``); none when the model trains in fp32."""
+    moments_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Adam's moments (``--exp-avg-dtype``, ``--exp-avg-sq-dtype``)."""
+    distributed_optimizer: bool = True
+    """Master weights and moments sharded over data parallelism (``--use-distributed-optimizer``)."""
+    fp8_activation_input: bool = False
+    """Under FP8 training the SwiGLU keeps its input in FP8 (Megatron-LM ``activation_func_fp8_input_store``)."""
+
+    def short(self) -> str:
+        return (f"grads {self.grad_dtype}, master weights {self.main_params_dtype}, moments {self.moments_dtype}, "
+                f"distributed optimizer {'on' if self.distributed_optimizer else 'off'}"
+                + (", SwiGLU input in FP8" if self.fp8_activation_input else ""))
+
+
 class PlanMemory(_Frozen):
     """The memory decision of every PP rank."""
 
     budget_bytes: int
-    """Device bytes the plan may use."""
-    recompute: Literal["auto", "none", "selective", "full", "mindspeed", "ilp-no-swap", "ilp"] = "auto"
+    """Device bytes the plan may use (``--memory-budget``, else the device's memory)."""
+    precision: PlanPrecision = PlanPrecision()
+    """The model-state precision the memory is priced with."""
+    recompute: Literal["auto", "none", "selective", "full", "mindspeed", "modules", "ilp-no-swap", "ilp"] = "auto"
     """The recompute mode asked for (auto: the cheapest whole-layer mode that fits, per rank)."""
+    recompute_modules: list[str] = []
+    """Under ``modules``: the modules recomputed, in Megatron-LM's names (``--recompute-modules``)."""
     ranks: list[PlanRankMemory]
     """Per PP rank."""
 

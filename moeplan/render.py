@@ -118,7 +118,7 @@ def shape_sources(model: str, *, seq_len: int | None = None, global_batch: int |
 def render_plan(console: Console, plan: Plan, sources: dict[str, str] | None = None) -> None:
     """Layout, prediction, stages and memory of a plan; ``sources`` (:func:`shape_sources`) adds where the training
     shape came from."""
-    from moeplan.plan import MFU_DEFINITION
+    from moeplan.plan import MEMORY_TERMS, MFU_DEFINITION
 
     lay, pred = plan.layout, plan.prediction
     console.print(f"[bold]{plan.model.name}[/] on {lay.num_devices} × {plan.target.name}"
@@ -150,13 +150,13 @@ def render_plan(console: Console, plan: Plan, sources: dict[str, str] | None = N
                        f"{plan.stages.chunk_time_s[r][c] * 1e3:.1f} ms")
     console.print(st)
     console.print(f"[dim]{plan.stages.reason}[/]")
-    mt = Table(title=f"memory per device (budget {plan.memory.budget_bytes / GIB:.1f} GiB)")
-    for col in ("pp rank", "recompute", "params", "grads", "optimizer", "activations", "workspace", "total"):
+    budget = plan.memory.budget_bytes
+    mt = Table(title=f"memory per device, GiB (budget {budget / GIB:.1f} GiB; {plan.memory.precision.short()})")
+    for col in ("pp rank", "recompute", *(label for label, _ in MEMORY_TERMS), "total", "headroom"):
         mt.add_column(col)
     for m in plan.memory.ranks:
-        mt.add_row(str(m.pp_rank), m.recompute, *(f"{x / GIB:.2f} GiB" for x in (
-            m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.activation_bytes, m.workspace_bytes,
-            m.total_bytes)))
+        mt.add_row(str(m.pp_rank), m.recompute, *(f"{getattr(m, f) / GIB:.2f}" for _, f in MEMORY_TERMS),
+                   f"{m.total_bytes / GIB:.2f}", f"{(budget - m.total_bytes) / GIB:+.2f}")
     console.print(mt)
 
 

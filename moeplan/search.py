@@ -47,14 +47,14 @@ from moeplan.cost_models.dispatch import hierarchical_valid
 from moeplan.cost_models.layer_program import ep_transfer, expert_group
 from moeplan.cost_models.timeline import StepExceeded
 from moeplan.errors import InfeasibleError, LayoutError, PlanError
-from moeplan.estimate import (ModelCost, estimate_step, layer_prices, model_cost, slot_weights, stage_params,
-                              static_bytes)
+from moeplan.estimate import (ModelCost, estimate_memory, estimate_step, layer_prices, model_cost, slot_weights,
+                              stage_params, static_bytes)
 from moeplan.ir import LayerKind, ModelGraph, named_layers
 from moeplan.layout import Layout, Rejection, check_fixed_degrees, check_layout, layout_rejection
 from moeplan.passes.partition_stages import SLOT_KINDS
 from moeplan.passes.schedule import FB_PAIRED, schedule_fits
 from moeplan.passes.simulate import norm_s
-from moeplan.state import Dispatcher, Mechanism, PlanState, ScheduleKind, Strategy
+from moeplan.state import Dispatcher, Mechanism, PlanState, Precision, ScheduleKind, Strategy
 from moeplan.targets import Target
 
 
@@ -71,10 +71,17 @@ class Fixed:
     etp: int | None = None
     cp: int | None = None
     micro_batch: int | None = None
+    dp_shard: int | None = None
+    search_fsdp: bool = False
+    """With ``dp_shard`` None: also try each layout fully sharded (``dp_shard = dp``) where the runtime has FSDP
+    (``--dp-shard auto``). Off by default: it doubles the options, and the MoE recipes this planner targets run
+    ZeRO-1."""
     schedule: ScheduleKind | None = None
     dispatcher: Dispatcher | None = None
     overlap: frozenset[Mechanism] | None = None
     recompute: str = "auto"
+    precision: Precision = Precision()
+    recompute_modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,8 +131,10 @@ def _choices(fixed: int | None, options: list[int]) -> list[int]:
     return [fixed] if fixed is not None else options
 
 
-def enumerate_layouts(*, graph: ModelGraph, num_devices: int, devices_per_node: int, fixed: Fixed) -> list[Layout]:
-    """All layouts within the fixed degrees (unchecked: see :func:`check`)."""
+def enumerate_layouts(*, graph: ModelGraph, num_devices: int, devices_per_node: int, fixed: Fixed,
+                      fsdp: bool = False) -> list[Layout]:
+    """All layouts within the fixed degrees (unchecked: see :func:`check`); ``fsdp``: the runtime shards with FSDP,
+    so each layout is also tried fully sharded (``dp_shard = dp``)."""
     spec = graph.spec
     slots = len(named_layers(spec))
     out = []
@@ -142,9 +151,10 @@ def enumerate_layouts(*, graph: ModelGraph, num_devices: int, devices_per_node: 
                     for ep in _choices(fixed.ep, eps):
                         for etp in _choices(fixed.etp, sorted({1, tp}) if spec.is_moe else [tp]):
                             for mb in _choices(fixed.micro_batch, [1, 2, 4]):
-                                out.append(Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=dp,
-                                                  micro_batch=mb, global_batch=fixed.global_batch,
-                                                  seq_len=fixed.seq_len))
+                                for shard in _choices(fixed.dp_shard, [1, dp] if fsdp and dp > 1 else [1]):
+                                    out.append(Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=dp,
+                                                      micro_batch=mb, global_batch=fixed.global_batch,
+                                                      seq_len=fixed.seq_len, dp_shard=shard))
     return out
 
 
@@ -172,8 +182,8 @@ def strategies(layout: Layout, *, graph: ModelGraph, target: Target, fixed: Fixe
             overlap = fixed.overlap
         else:
             overlap = frozenset(m for m in caps.overlap if _applies(m, kind, layout, graph, ep))
-        out.append(Strategy(schedule=kind, dispatcher=dispatcher, overlap=overlap,
-                            recompute=fixed.recompute))  # type: ignore[arg-type]
+        out.append(Strategy(schedule=kind, dispatcher=dispatcher, overlap=overlap, recompute=fixed.recompute,
+                            precision=fixed.precision, recompute_modules=fixed.recompute_modules))  # type: ignore[arg-type]
     return out
 
 
@@ -250,6 +260,9 @@ def _check_fixed(fixed: Fixed, target: Target, num_devices: int) -> None:
     fixed schedule, dispatcher or mechanism the target's runtime does not execute."""
     check_fixed_degrees(num_devices, tp=fixed.tp, cp=fixed.cp, pp=fixed.pp, ep=fixed.ep)
     caps = target.runtime
+    if ((fixed.dp_shard or 1) > 1 or fixed.search_fsdp) and not caps.fsdp:
+        raise LayoutError(f"dp_shard={fixed.dp_shard or 'auto'}: the runtime behind target {target.name} has no FSDP "
+                          f"(ZeRO-1 only); use --dp-shard 1")
     for name, chosen, allowed in (("schedule", [fixed.schedule] if fixed.schedule else [], caps.schedules),
                                    ("dispatcher", [fixed.dispatcher] if fixed.dispatcher else [], caps.dispatchers),
                                    ("overlap", sorted(fixed.overlap or ()), caps.overlap)):
@@ -285,9 +298,9 @@ class Options:
     examples: dict[str, Rejection]
 
 
-def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed) -> Options:
-    """Steps 1–3 of the module docstring: enumerate the layouts, check them, drop those whose model states do not
-    fit, and pair each with its strategies."""
+def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed, budget: float) -> Options:
+    """Steps 1–3 of the module docstring: enumerate the layouts, check them, drop those whose model states and
+    fixed overheads do not fit ``budget`` (bytes per device), and pair each with its strategies."""
     dpn = target.devices_per_node
     rejected: Counter = Counter()
     cache: dict = {}
@@ -301,7 +314,8 @@ def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed:
             examples[r.reason] = r
 
     spec = graph.spec
-    layouts = enumerate_layouts(graph=graph, num_devices=num_devices, devices_per_node=dpn, fixed=fixed)
+    layouts = enumerate_layouts(graph=graph, num_devices=num_devices, devices_per_node=dpn, fixed=fixed,
+                                fsdp=target.runtime.fsdp and fixed.search_fsdp)
     options: list[tuple[Layout, Strategy, tuple[float, float]]] = []
     for lay in layouts:
         refused = layout_rejection(lay, num_devices=num_devices, devices_per_node=dpn, num_heads=spec.num_heads,
@@ -314,10 +328,12 @@ def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed:
         params = params_of.get(pkey)
         if params is None:
             params = params_of[pkey] = stage_params(lay, graph, counts)
-        static = static_bytes(lay, params)
-        if static > target.usable_memory_bytes:
+        # a lower bound for every strategy: the flat dispatcher holds no DeepEP buffers
+        static = static_bytes(lay, params, target, Strategy(precision=fixed.precision), hidden_size=spec.hidden_size)
+        if static > budget:
             reject(Rejection("model-states", static, f"memory: {lay.short()} needs {static / 1024**3:.1f} GiB per "
-                                                     f"device for model states alone"))
+                                                     f"device for model states and overheads alone; the budget is "
+                                                     f"{budget / 1024**3:.1f} GiB"))
             continue
         found = strategies(lay, graph=graph, target=target, fixed=fixed, cache=cache)
         if not found:
@@ -328,12 +344,23 @@ def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed:
     return Options(options, layouts, rejected, examples)
 
 
+def pipeline_budget(pipeline: str, target: Target) -> float:
+    """The bytes per device a plan may fill under ``pipeline``: its ``plan-memory`` pass's budget (``--memory-budget``
+    or the device's memory), which every memory check of the search uses. Raises PlanError for a budget above the
+    device's memory."""
+    from moeplan.passes.plan_memory import PlanMemoryPass
+
+    found = [p for p in parse_pipeline(pipeline) if isinstance(p, PlanMemoryPass)]
+    return (found[0] if found else PlanMemoryPass()).budget(target)
+
+
 def rank_by_estimate(*, graph: ModelGraph, target: Target, options: list[tuple[Layout, Strategy, tuple[float, float]]],
-                     workers: int | None = None) -> list[tuple[tuple[bool, float], float, Layout, Strategy]]:
+                     budget: float, workers: int | None = None
+                     ) -> list[tuple[tuple[bool, float], float, Layout, Strategy]]:
     """Step 4 alone: every option's (sort key, lower bound, layout, strategy), best estimate first (those whose
-    memory estimate fits before those that do not)."""
+    memory estimate fits ``budget`` before those that do not)."""
     slots = [k for _, k in named_layers(graph.spec)]
-    _SHARED["graph"], _SHARED["target"] = _lean(graph), target
+    _SHARED["graph"], _SHARED["target"], _SHARED["budget"] = _lean(graph), target, budget
     try:
         tasks = _shape_tasks(options, slots, slot_weights(graph, slots))
         with _Pool(workers) as pool:
@@ -360,7 +387,8 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
     seen) if every valid layout runs out of memory."""
     check_pipeline(pipeline)
     _check_fixed(fixed, target, num_devices)
-    built = build_options(graph=graph, target=target, num_devices=num_devices, fixed=fixed)
+    budget = pipeline_budget(pipeline, target)
+    built = build_options(graph=graph, target=target, num_devices=num_devices, fixed=fixed, budget=budget)
     options, rejected, layouts = built.options, built.rejected, built.layouts
     if not options and "model-states" not in rejected:
         if fixed.schedule is not None and "schedule" in rejected:
@@ -369,7 +397,7 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
         raise _none_valid(layouts, rejected, built.examples)
     slots = [k for _, k in named_layers(graph.spec)]
     weights = slot_weights(graph, slots)
-    _SHARED["graph"], _SHARED["target"] = _lean(graph), target  # what forked workers read
+    _SHARED["graph"], _SHARED["target"], _SHARED["budget"] = _lean(graph), target, budget  # what forked workers read
     try:
         out = _estimate_and_evaluate(options, slots, weights, target, pipeline, candidates, workers, keep,
                                      auto_overlap=fixed.overlap is None)
@@ -378,7 +406,7 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
     rejected.update(r.reason for r in out.refused)
     ranked = out.ranked()
     if not ranked:
-        _raise_infeasible(target, built.examples.get("model-states"), layouts, out.refused)
+        _raise_infeasible(budget, built.examples.get("model-states"), layouts, out.refused)
     return SearchResult(ranked=tuple(ranked), rejected=rejected, num_enumerated=len(layouts),
                         num_evaluated=out.sent, num_options=len(options), num_pruned=out.pruned,
                         bound_s=out.bound_s)
@@ -514,14 +542,17 @@ def _shape_tasks(options: list[tuple[Layout, Strategy, tuple[float, float]]], sl
     groups: dict[tuple, list[tuple[Layout, Strategy, tuple[float, float]]]] = {}
     for opt in options:
         groups.setdefault(_shape_key(opt[0], opt[1]), []).append(opt)
-    _SHARED["counts"], _SHARED["weights"], _SHARED["slots"] = Counter(slots), weights, slots
+    _SHARED["counts"], _SHARED["weights"], _SHARED["slots"] = Counter(slots), weights, tuple(slots)
     _SHARED["slot_flags"] = tuple(int(k in SLOT_KINDS) for k in slots)
     return list(groups.values())
 
 
 def _shape_key(layout: Layout, strategy: Strategy) -> tuple:
-    """What the layer costs depend on: (tp, cp, ep, etp, micro-batch, dispatcher)."""
-    return (layout.tp, layout.cp, layout.ep, layout.etp, layout.micro_batch, strategy.dispatcher)
+    """What the layer costs depend on: (tp, cp, ep, etp, micro-batch, dispatcher, the recipe's precision), and under
+    FSDP the degrees its per-layer collectives and resharding depend on (dp_shard, dp, pp)."""
+    fsdp = (layout.dp_shard, layout.dp, layout.pp) if layout.dp_shard > 1 else ()
+    return (layout.tp, layout.cp, layout.ep, layout.etp, layout.micro_batch, strategy.dispatcher,
+            strategy.precision, fsdp)
 
 
 def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
@@ -538,14 +569,18 @@ def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
     for lay, st, params in options:
         cost = costs.get(st.overlap)
         if cost is None:
-            cost = costs[st.overlap] = model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache)
+            cost = costs[st.overlap] = model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache,
+                                                  st.precision)
+        memory = estimate_memory(lay, st, cost, kinds=slots, target=target, budget=_SHARED["budget"],
+                                 hidden_size=graph.spec.hidden_size)
         est = estimate_step(lay, st, cost, weights=_SHARED["weights"], slots=_SHARED["slot_flags"], params=params,
-                            target=target)
+                            target=target, memory=memory)
         skey = (st.overlap, st.schedule in FB_PAIRED, st.schedule in SPLIT_BACKWARD)
         if skey not in sums:
             per_kind = {}
             for k in counts:
-                key, (lc, _, _) = layer_prices(graph, k, lay, target, st.dispatcher, cache)
+                key, (lc, _) = layer_prices(graph, k, lay, target, st.dispatcher, cache,
+                                            st.precision)
                 if (key, skey[:2]) not in cache:
                     cache[(key, skey[:2])] = floors(lc, st)
                 per_kind[k] = cache[(key, skey[:2])]
@@ -612,20 +647,20 @@ def _none_valid(layouts: list[Layout], rejected: Counter, examples: dict[str, Re
     return LayoutError(f"{examples[top].message} ({share}{rest})", rejection=examples[top])
 
 
-def _raise_infeasible(target: Target, static: Rejection | None, layouts: list[Layout], refused: list[Rejection]
+def _raise_infeasible(budget: float, static: Rejection | None, layouts: list[Layout], refused: list[Rejection]
                       ) -> None:
     """No layout survived: raise InfeasibleError naming the least per-device memory any layout would need
-    (``static``: the model-states rejection with the least bytes, if any), or LayoutError when the passes refused
-    every option for another reason."""
-    gib, allowed = 1024**3, target.usable_memory_bytes / 1024**3
+    (``static``: the model-states rejection with the least bytes, if any) and the budget (bytes), or LayoutError
+    when the passes refused every option for another reason."""
+    gib, allowed = 1024**3, budget / 1024**3
     needs = [r.figure for r in refused if r.reason == "memory" and r.figure is not None]
     if needs:
         raise InfeasibleError(f"memory: no layout fits; the best of {len(layouts)} needs {min(needs) / gib:.1f} GiB "
-                              f"per device, {target.name} allows {allowed:.1f} GiB", needs_bytes=min(needs))
+                              f"per device, the budget is {allowed:.1f} GiB", needs_bytes=min(needs))
     if static is not None:
         raise InfeasibleError(f"memory: no layout of {len(layouts)} fits; the best needs at least "
-                              f"{static.figure / gib:.1f} GiB per device for model states alone, {target.name} "
-                              f"allows {allowed:.1f} GiB", needs_bytes=static.figure)
+                              f"{static.figure / gib:.1f} GiB per device for model states and overheads alone, "
+                              f"the budget is {allowed:.1f} GiB", needs_bytes=static.figure)
     raise LayoutError(f"layout: none of {len(layouts)} layouts is valid: "
                       f"{refused[0].message if refused else 'none was left to simulate'}",
                       rejection=refused[0] if refused else None)

@@ -14,8 +14,8 @@ from moeplan.names import DISPATCHERS, MECHANISMS, SCHEDULES, Dispatcher, Mechan
 from moeplan.targets import Target
 
 CommClass = Literal["tp", "ep", "cp", "dp", "pp"]
-Recompute = Literal["none", "selective", "full", "mindspeed", "ilp-no-swap", "ilp"]
-OP_MODES: tuple[str, ...] = ("mindspeed", "ilp-no-swap", "ilp")
+Recompute = Literal["none", "selective", "full", "mindspeed", "modules", "ilp-no-swap", "ilp"]
+OP_MODES: tuple[str, ...] = ("mindspeed", "modules", "ilp-no-swap", "ilp")
 """Recompute modes decided per saved tensor (passes/plan_memory.py) rather than per layer."""
 Tier = Literal["intra", "inter"]
 COMM_CLASSES: tuple[CommClass, ...] = ("tp", "ep", "cp", "pp", "dp")
@@ -23,10 +23,40 @@ COMM_CLASSES: tuple[CommClass, ...] = ("tp", "ep", "cp", "pp", "dp")
 
 
 
+GradDtype = Literal["fp32", "bf16"]
+MainParamsDtype = Literal["fp32", "bf16", "fp16"]
+MomentsDtype = Literal["fp32", "bf16"]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The recipe's model-state precision (cost_models/memory.py), in Megatron-LM's terms:
+
+    - ``grad_dtype``: the gradient buffer the backward accumulates into and DP reduces (Megatron-LM keeps an fp32
+      ``main_grad`` unless ``--grad-reduce-in-bf16``; Megatron-Bridge ``ddp.grad_reduce_in_fp32``);
+    - ``main_params_dtype``: the optimizer's master copy of the weights (``--main-params-dtype``, with
+      ``--use-precision-aware-optimizer``); no copy when the model already trains in fp32;
+    - ``moments_dtype``: Adam's first and second moments (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``);
+    - ``distributed_optimizer``: master weights and moments sharded over the data-parallel group (ZeRO-1,
+      ``--use-distributed-optimizer``; on by default, as in Megatron-LM's MoE recipes), else held whole by every
+      replica;
+    - ``fp8_activation_input``: under FP8 training, the SwiGLU keeps its input (the gate/up output) in FP8
+      (Megatron-LM ``TransformerConfig.activation_func_fp8_input_store``; DeepSeek-V3 arXiv 2412.19437 §3.3.3 caches "the inputs
+      of the SwiGLU operator" in FP8).
+    """
+
+    grad_dtype: GradDtype = "fp32"
+    main_params_dtype: MainParamsDtype = "fp32"
+    moments_dtype: MomentsDtype = "fp32"
+    distributed_optimizer: bool = True
+    fp8_activation_input: bool = False
+
+
 @dataclass(frozen=True)
 class Strategy:
     """How a layout runs, beside its degrees: the pipeline schedule, the EP token dispatcher, the overlap
-    mechanisms that are on, and the recompute request (``auto``: the cheapest per-rank mode that fits).
+    mechanisms that are on, the recompute request (``auto``: the cheapest per-rank mode that fits) and the
+    model-state precision of the recipe (:class:`Precision`).
 
     Schedules (docs/step-model.md §4): ``1f1b`` and ``interleaved`` (Megatron-LM), ``zero-bubble`` (torch's
     Interleaved Zero Bubble, I/W split), ``zbv`` and ``dualpipev`` (V-shaped stage placement, two chunks per rank).
@@ -39,7 +69,11 @@ class Strategy:
     schedule: ScheduleKind = "1f1b"
     dispatcher: Dispatcher = "flat"
     overlap: frozenset[Mechanism] = frozenset()
-    recompute: Literal["auto", "none", "selective", "full", "mindspeed", "ilp-no-swap", "ilp"] = "auto"
+    recompute: Literal["auto", "none", "selective", "full", "mindspeed", "modules", "ilp-no-swap", "ilp"] = "auto"
+    precision: Precision = Precision()
+    recompute_modules: tuple[str, ...] = ()
+    """Under ``recompute="modules"``: the modules recomputed, in Megatron-LM's names
+    (cost_models/saved_tensors.py ``RECOMPUTE_MODULES``)."""
 
     def short(self) -> str:
         on = ",".join(m for m in MECHANISMS if m in self.overlap) or "none"
@@ -154,6 +188,8 @@ class LayerCost:
     recompute_selective_flops: float
     recompute_full_flops: float
     workspace_bytes: int  # largest transient of one op: its output and its gradient alive at once
+    shared_params: int = 0  # of ``params``: a copy of another layer's weights (the MTP's embedding, output layer)
+    shared_owner: LayerKind | None = None  # the kind of the layer that owns them: on its rank the copy is no tensor
 
     def comm_s(self, phase: str) -> float:
         return sum(c.time_s for c in self.comm if c.phase == phase)
@@ -257,10 +293,15 @@ class GroupChoice:
 
 @dataclass(frozen=True)
 class StageMemory:
-    """Memory on one device of a PP rank, bytes, under the chosen recompute mode. Under a per-tensor mode
+    """Memory on one device of a PP rank at its fullest point, bytes, term by term (cost_models/memory.py, where
+    each term's source is given): model states (``params``, ``grads``, ``optimizer``: master weights and
+    moments), the saved activations of the micro-batches in flight (``activation``), the backward working set of
+    one layer (``working_set``: what it re-makes, swaps back in and prefetches), the largest op's transient
+    (``workspace``), FSDP's unsharded copies (``gathered``), communication buffers (``comm_buffer``: NCCL
+    communicators, DeepEP's buffers), the CUDA
+    context and libraries (``runtime``) and the caching allocator's share (``allocator``). Under a per-tensor mode
     (OP_MODES): ``decisions`` per (VPP chunk, layer kind), the swap seconds per micro-batch the host link does not
-    hide per chunk (out, in), and the solver's status, optimality gap and reason (moeplan/memory_ilp.py);
-    ``activation_bytes`` then includes the backward working set (re-made and swapped tensors of one layer)."""
+    hide per chunk (out, in), and the solver's status, optimality gap and reason (moeplan/memory_ilp.py)."""
 
     pp_rank: int
     recompute: Recompute
@@ -275,11 +316,20 @@ class StageMemory:
     solve_status: str = ""
     solve_gap: float = 0.0
     solve_reason: str = ""
+    working_set_bytes: float = 0.0
+    comm_buffer_bytes: float = 0.0
+    runtime_bytes: float = 0.0
+    allocator_bytes: float = 0.0
+    gathered_bytes: float = 0.0
+
+    @property
+    def model_state_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
     @property
     def total_bytes(self) -> float:
-        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activation_bytes
-                + self.workspace_bytes)
+        return (self.model_state_bytes + self.activation_bytes + self.working_set_bytes + self.workspace_bytes
+                + self.gathered_bytes + self.comm_buffer_bytes + self.runtime_bytes + self.allocator_bytes)
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,9 @@ from __future__ import annotations
 import functools
 import operator
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Callable, ClassVar, Mapping, Protocol, runtime_checkable
+from typing import Callable, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -223,11 +223,11 @@ def measure_node(run: Callable[[], object], inputs: list[tuple[torch.Tensor, str
                           gemm)
 
 
-def measure_saved(run: Callable[[], object],
-                  inputs: list[tuple[torch.Tensor, str | None]]) -> tuple[int, int, tuple[str, ...]]:
+def measure_saved(run: Callable[[], object], inputs: list[tuple[torch.Tensor, str | None]],
+                  params: list[torch.Tensor] = ()) -> tuple[int, int, tuple[str, ...]]:  # type: ignore[assignment]
     """Saved-for-backward of ``run`` alone: (internal bytes, the part not in ACT_DTYPE, producers of saved
-    inputs)."""
-    log = _SavedLog(inputs, [])
+    inputs); ``params`` are not counted."""
+    log = _SavedLog(inputs, list(params))
     with torch.enable_grad(), log.hooks():
         out = run()  # held while the log counts: what it holds is what backward would find
         saved = log.internal()
@@ -337,13 +337,22 @@ class _CostProp(ShapeProp):
         kind = _op_kind(self.module, n)
         out, m = measure_node(lambda: getattr(self, n.op)(n.target, args, kwargs), inputs, params)
         saved_bytes, saved_fixed, saved_inputs, causal = m.saved_bytes, m.saved_fixed_bytes, m.saved_inputs, False
-        eager_inputs = None
+        eager_inputs, act_in, gemm_in = None, 0, 0
+        outs, in_tensors = tensors_of(out), [t for t, _ in inputs]
         if kind == OpKind.ATTENTION:  # saved set of the fused kernel; FLOPs halved for the causal mask
             core = self.module.get_submodule(str(n.target))
             saved_bytes, saved_fixed, saved_inputs = measure_saved(lambda: core.fused_kernel(*args), inputs)
             causal, eager_inputs = core.causal, m.saved_inputs
+        elif kind == OpKind.GROUPED_MATMUL:  # the routed experts with a fused SwiGLU (models/moe.py)
+            experts = self.module.get_submodule(str(n.target))
+            saved_bytes, saved_fixed, saved_inputs = measure_saved(lambda: experts.fused_kernel(*args), inputs,
+                                                                   params)
+            _, hidden, ffn = experts.w1.shape
+            gemm_in = _nbytes(outs) * ffn // hidden  # the activation output, which the down GEMM keeps
+            act_in = 2 * gemm_in  # the gate/up output, which the SwiGLU keeps
+        elif kind == OpKind.COMBINE:  # probabilities applied inside the activation (Megatron-LM core_v0.12.1+):
+            saved_bytes, saved_fixed = 0, 0  # the combine keeps its index maps, not the expert outputs
         scale = 0.5 if causal else 1.0
-        outs, in_tensors = tensors_of(out), [t for t, _ in inputs]
         out_ids = {storage_id(o) for o in outs}
         is_view = bool(outs) and out_ids <= {storage_id(t) for t in in_tensors}
         view_of = next((name for t, name in inputs if storage_id(t) in out_ids), None) if is_view else None
@@ -358,7 +367,8 @@ class _CostProp(ShapeProp):
             fwd_kernels=m.fwd_kernels, bwd_input_kernels=m.bwd_input_kernels, bwd_weight_kernels=m.bwd_weight_kernels,
             saved_fixed_bytes=saved_fixed, eager_saved_bytes=m.saved_bytes, eager_saved_fixed_bytes=m.saved_fixed_bytes,
             output_fixed_bytes=_nbytes([o for o in outs if o.dtype != ACT_DTYPE]), eager_saved_inputs=eager_inputs,
-            view_of=view_of, inputs=tuple(a.name for a in n.all_input_nodes)), out)
+            view_of=view_of, inputs=tuple(a.name for a in n.all_input_nodes), saved_act_input_bytes=act_in,
+            saved_gemm_input_bytes=gemm_in), out)
 
 
 def representative_layer(spec: ModelSpec, kind: LayerKind) -> str:
@@ -407,6 +417,42 @@ def _fanout_adds(gm: torch.fx.GraphModule, hidden: str) -> int:
     return adds
 
 
+def production_saves(ops: Sequence[OpAnnotation]) -> tuple[OpAnnotation, ...]:
+    """``ops`` with the saved sets of production kernels where the traced eager ops keep more (the eager sets stay
+    in ``eager_saved_inputs``, which moeplan's runtime keeps; passes/shard.py picks by the target):
+
+    - ``silu(gate) * up`` is one fused SwiGLU kernel that keeps its input (Megatron-LM ``bias_swiglu_impl``,
+      megatron/core/fusions/fused_bias_swiglu.py): ``silu`` keeps nothing, the product keeps gate and up;
+    - the attention output reaches the output projection without a copy (FlashAttention and Transformer Engine's
+      fused attention write ``[s, b, heads · head_dim]``), and the attention kernel keeps that output anyway: the
+      projection's saved copy of it is not kept.
+    """
+    by = {o.name: o for o in ops}
+
+    def base(name: str) -> str:
+        while name in by and by[name].view_of is not None:
+            name = by[name].view_of  # type: ignore[assignment]
+        return name
+
+    def copy_of_attention(name: str) -> bool:
+        o = by.get(name)
+        return (o is not None and o.op_kind == OpKind.ELEMENTWISE and o.view_of is None and len(o.inputs) == 1
+                and base(o.inputs[0]) in by and by[base(o.inputs[0])].op_kind == OpKind.ATTENTION)
+
+    new: dict[str, OpAnnotation] = {}
+    for o in ops:
+        silu = next((by[i] for i in o.inputs if i in by and by[i].op_kind == OpKind.ELEMENTWISE
+                     and by[i].name.startswith("silu") and len(by[i].inputs) == 1), None)
+        if o.op_kind == OpKind.ELEMENTWISE and o.name.startswith("mul") and silu is not None and len(o.inputs) == 2:
+            up = next(i for i in o.inputs if i != silu.name)
+            new[silu.name] = replace(silu, saved_inputs=(), eager_saved_inputs=silu.saved_inputs)
+            new[o.name] = replace(o, saved_inputs=(silu.inputs[0], up), eager_saved_inputs=o.saved_inputs)
+        elif o.op_kind == OpKind.MATMUL and any(copy_of_attention(i) for i in o.saved_inputs):
+            new[o.name] = replace(o, saved_inputs=tuple(i for i in o.saved_inputs if not copy_of_attention(i)),
+                                  eager_saved_inputs=o.saved_inputs)
+    return tuple(new.get(o.name, o) for o in ops)
+
+
 def trace_layer(spec: ModelSpec, kind: LayerKind, *, seq_len: int) -> LayerGraph:
     """Build one piece of ``kind`` on meta, trace, shape-propagate and annotate it (batch 1, ``seq_len`` tokens)."""
     in_bytes = input_bytes(spec, kind, seq_len=seq_len)
@@ -420,7 +466,12 @@ def trace_layer(spec: ModelSpec, kind: LayerKind, *, seq_len: int) -> LayerGraph
     prop = _CostProp(gm, root=module, kind=kind, hidden_input=hidden)
     prop.propagate(*_example_inputs(spec, kind, seq_len))
     owned, expert, activated, shared, tensors = _param_stats(spec, module, name)
-    return LayerGraph(kind=kind, gm=gm, ops=tuple(prop.ops), input_bytes=in_bytes, param_count=owned,
+    ops = production_saves(prop.ops)
+    by_name = {o.name: o for o in ops}
+    for n in gm.graph.nodes:
+        if "moeplan" in n.meta:
+            n.meta["moeplan"] = by_name[n.meta["moeplan"].name]
+    return LayerGraph(kind=kind, gm=gm, ops=ops, input_bytes=in_bytes, param_count=owned,
                       expert_param_count=expert, activated_param_count=activated, shared_param_count=shared,
                       param_tensor_count=tensors, grad_fanout_adds=_fanout_adds(gm, hidden))
 

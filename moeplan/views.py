@@ -16,7 +16,7 @@ from rich.text import Text
 
 from moeplan.errors import PlanError
 from moeplan.flops import count_params
-from moeplan.plan import Plan
+from moeplan.plan import MEMORY_TERMS, Plan
 from moeplan.render import compact
 
 VIEWS = ("overview", "stages", "memory", "timeline", "comm")
@@ -190,20 +190,20 @@ def memory(plan: Plan) -> Group:
     budget = mem.budget_bytes
     unit, scale = unit_of(max(m.total_bytes for m in mem.ranks))
     t = Table(title=f"memory per device in {unit} (budget {budget / scale:.2f} {unit}; recompute asked: "
-                    f"{mem.recompute})", expand=True,
-              caption="bar: model states (params + grads + optimizer) █ blue, activations █ green, workspace █ "
-                      "yellow, · free, against the budget; (N mb): micro-batches whose activations are held at the peak")
-    for col in ("pp rank", "recompute", "params", "grads", "optimizer", "activations", "workspace", "total",
-                "budget", ""):
+                    f"{mem.recompute}; {mem.precision.short()})", expand=True,
+              caption="bar: model states (params + grads + optimizer) █ blue, activations and working set █ green, "
+                      "workspace, buffers, runtime and allocator █ yellow, · free, against the budget; (N mb): "
+                      "micro-batches whose activations are held at the peak")
+    for col in ("pp rank", "recompute", *(label for label, _ in MEMORY_TERMS), "total", "budget", ""):
         t.add_column(col, no_wrap=True, justify="left" if col in ("recompute", "") else "right")
     for m in mem.ranks:
         states = m.params_bytes + m.grads_bytes + m.optimizer_bytes
-        t.add_row(str(m.pp_rank), m.recompute, *(f"{x / scale:.2f}" for x in (
-                      m.params_bytes, m.grads_bytes, m.optimizer_bytes)),
-                  f"{m.activation_bytes / scale:.2f} ({m.in_flight_microbatches} mb)",
-                  f"{m.workspace_bytes / scale:.2f}", f"{m.total_bytes / scale:.2f}",
+        acts = m.activation_bytes + m.working_set_bytes
+        cells = [f"{getattr(m, f) / scale:.2f}" + (f" ({m.in_flight_microbatches} mb)" if f == "activation_bytes"
+                                                     else "") for _, f in MEMORY_TERMS]
+        t.add_row(str(m.pp_rank), m.recompute, *cells, f"{m.total_bytes / scale:.2f}",
                   Text(f"{m.total_bytes / budget:.0%}", style="bold red" if m.total_bytes > budget else ""),
-                  _bar([(states, "blue"), (m.activation_bytes, "green"), (m.workspace_bytes, "yellow")], budget))
+                  _bar([(states, "blue"), (acts, "green"), (m.total_bytes - states - acts, "yellow")], budget))
     parts: list[RenderableType] = [t]
     solved = [m for m in mem.ranks if m.solve_status]
     if solved:

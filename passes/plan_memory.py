@@ -5,37 +5,33 @@ fits. Whole-layer modes, cheapest first: ``none`` (keep every saved tensor), ``s
 activation functions and core attention — Megatron-LM selective recompute, arXiv 2205.05198 §5), ``full`` (keep
 only each layer's input; Chen et al. arXiv 1604.06174). Per-tensor modes (docs/memory.md): ``mindspeed`` (MindSpeed's
 ``--recompute-norm --recompute-activation-function``: norms and SwiGLU activations re-run, their inputs kept),
+``modules`` (Megatron-LM's ``--recompute-modules``, ``Strategy.recompute_modules``: the ops of the named modules
+re-run, cost_models/saved_tensors.py ``module_ops``),
 ``ilp-no-swap`` and ``ilp`` (the optimal keep / recompute / swap per saved tensor, per (VPP chunk, layer kind), by
 moeplan/memory_ilp.py; ``ilp-no-swap`` never swaps).
 
-A rank's memory is its model states (cost_models/memory.py, distributed optimizer) plus its activations at the
-fullest point of its action list from the ``schedule`` pass (which it requires: the in-flight micro-batches are the
-schedule's) plus the largest op workspace plus one layer's backward working set (what it re-makes; per-tensor
-modes add its swapped tensors fetched back and the next layer's prefetched: moeplan/memory_ilp.py). The
-budget is ``budget_gib`` when set, else ``budget_fraction`` of the target's usable device memory.
+A rank's memory is every term of cost_models/memory.py (model states by the recipe's precision, the activations
+at the fullest point of its action list from the ``schedule`` pass, the backward working set, the largest op
+workspace, communication buffers, the runtime's bytes and the allocator's share): the same model the layout
+search's estimate prices with. The budget (:func:`~moeplan.cost_models.memory.budget_bytes`) is ``budget_gib``
+when set (``--memory-budget``; never above the device's memory), else ``budget_fraction`` of the device's memory.
 
-Raises InfeasibleError, naming the per-device memory needed, when even full recompute (or the fixed mode) does not
-fit.
+Raises InfeasibleError, naming the per-device memory needed and the budget, when even full recompute (or the fixed
+mode) does not fit; PlanError for a budget above the device's memory.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Sequence
 
-from moeplan.cost_models.memory import model_state_bytes, peak_live_bytes
-from moeplan.cost_models.saved_tensors import LayerTensors, layer_tensors
+from moeplan.cost_models.memory import (GIB, MODES, Overheads, budget_bytes, device_memory, fsdp_gathered_bytes,
+                                        in_flight_vectors, overheads, rank_model_states, with_overheads)
+from moeplan.cost_models.saved_tensors import LayerTensors, layer_tensors, module_ops
 from moeplan.errors import InfeasibleError, PlanError
-from moeplan.memory_ilp import Group, RankProblem, choice_of, evaluate, solve
+from moeplan.memory_ilp import Group, RankProblem, choice_of, evaluate, solve, working_set
 from moeplan.ir import kind_of
 from moeplan.state import LayerCost, MemoryPlan, PlanState, Recompute, StageMemory
-
-MODES: tuple[Recompute, ...] = ("none", "selective", "full")
-GIB = 1024**3
-
-
-def saved_bytes(cost: LayerCost, mode: Recompute) -> int:
-    """Activation bytes one micro-batch keeps on one device for this layer under whole-layer ``mode``."""
-    return {"none": cost.saved_bytes, "selective": cost.saved_selective_bytes, "full": cost.saved_full_bytes}[mode]
+from moeplan.targets import Target
 
 
 @dataclass(frozen=True)
@@ -46,34 +42,42 @@ class PlanMemoryPass:
     requires: ClassVar[tuple[str, ...]] = ("sharding", "stages", "schedule")
     provides: ClassVar[tuple[str, ...]] = ("memory",)
     budget_fraction: float = 1.0
-    """Fraction of the target's usable device memory the plan may use."""
+    """Fraction (0–1) of the device's memory the plan may use."""
     budget_gib: float = 0.0
-    """Device memory the plan may use, GiB (2^30 bytes); 0: ``budget_fraction`` of the usable memory
+    """Device memory the plan may use, GiB (2^30 bytes), at most the device's; 0: ``budget_fraction`` of it
     (``--memory-budget``)."""
     time_limit_s: float = 2.0
     """Seconds each ILP solve may take; past it the solver's best solution is used (the greedy one when it has
     none), and the plan marks the rank ``heuristic`` with the gap."""
     enforce: bool = True
     """False: never raise; a rank that fits under no allowed mode gets the last one tried (full, or the fixed
-    mode), and the plan's memory says it does not fit (to price a published layout whose memory tricks moeplan
-    does not model yet)."""
+    mode), and the plan's memory says it does not fit."""
+
+    def budget(self, target: Target) -> float:
+        """Bytes per device the plan may fill. Raises PlanError for a bad option or a budget above the device's
+        memory."""
+        if not 0 < self.budget_fraction <= 1 or self.budget_gib < 0 or self.time_limit_s <= 0:
+            raise PlanError(f"plan-memory{{budget_fraction={self.budget_fraction},budget_gib={self.budget_gib},"
+                            f"time_limit_s={self.time_limit_s}}}: budget_fraction must be in (0, 1], "
+                            f"time_limit_s > 0, budget_gib >= 0")
+        try:
+            return budget_bytes(target, self.budget_gib, self.budget_fraction)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
 
     def run(self, state: PlanState) -> PlanState:
         assert state.sharding is not None and state.stages is not None and state.schedule is not None
-        if self.budget_fraction <= 0 or self.budget_gib < 0 or self.time_limit_s <= 0:
-            raise PlanError(f"plan-memory{{budget_fraction={self.budget_fraction},budget_gib={self.budget_gib},"
-                            f"time_limit_s={self.time_limit_s}}}: budget_fraction and time_limit_s must be > 0, "
-                            f"budget_gib >= 0")
-        budget = self.budget_gib * GIB or state.target.usable_memory_bytes * self.budget_fraction
+        budget = self.budget(state.target)
         lay, asked = state.layout, state.strategy.recompute
         actions = state.schedule.actions
         modes = MODES if asked == "auto" else (asked,)
+        over = overheads(lay, state.strategy, state.target, hidden_size=state.graph.spec.hidden_size)
         tensors: dict = {}
         stages = []
         for r in range(lay.pp):
             for mode in modes:  # cheapest first; stop at the first that fits
-                mem = (rank_memory(state, r, mode, actions[r]) if mode in MODES else
-                       op_rank_memory(state, r, mode, actions[r], budget, self.time_limit_s, tensors))
+                mem = (rank_memory(state, r, mode, actions[r], over) if mode in MODES else
+                       op_rank_memory(state, r, mode, actions[r], budget, self.time_limit_s, tensors, over))
                 if mem.total_bytes <= budget:
                     break
             else:
@@ -83,70 +87,43 @@ class PlanMemoryPass:
                 with_what = "even with full recompute" if asked == "auto" else f"with recompute {asked!r}"
                 raise InfeasibleError(
                     f"memory: pp rank {r} needs {mem.total_bytes / GIB:.1f} GiB per device {with_what} "
-                    f"({lay.short()}); {state.target.name} allows {budget / GIB:.1f} GiB", needs_bytes=mem.total_bytes)
+                    f"({lay.short()}); the budget is {budget / GIB:.1f} GiB", needs_bytes=mem.total_bytes)
             stages.append(mem)
         return state.with_(memory=MemoryPlan(stages=tuple(stages), budget_bytes=budget))
 
 
-def recompute_working_set(layers: Sequence[LayerCost], mode: Recompute) -> int:
-    """Bytes one layer's backward re-makes under whole-layer ``mode`` (the largest of ``layers``): what it keeps
-    under ``none`` less what ``mode`` keeps. Charged on top of the in-flight activations, as the per-tensor
-    modes charge theirs (moeplan/memory_ilp.py), so the two families are priced alike."""
-    return max([0, *(saved_bytes(lc, "none") - saved_bytes(lc, mode) for lc in layers)])
-
-
-def rank_memory(state: PlanState, rank: int, mode: Recompute, actions: tuple[str, ...]) -> StageMemory:
-    """Memory of one device of PP rank ``rank`` under whole-layer ``mode`` (bytes)."""
+def rank_chunks(state: PlanState, rank: int) -> list[list[LayerCost]]:
+    """The layer costs of each VPP chunk of PP rank ``rank``."""
     assert state.sharding is not None and state.stages is not None
     spec, costs = state.graph.spec, state.sharding.layer_costs
-    chunks = [[costs[kind_of(spec, n)] for n in names] for names in state.stages.chunks[rank]]
-    stage_bytes = {state.stages.stage_of(rank, c): sum(saved_bytes(lc, mode) for lc in lcs)
-                   for c, lcs in enumerate(chunks)}
-    params, grads, opt, workspace = _model_states(state, rank)
-    act, in_flight = peak_live_bytes(actions, stage_bytes)
-    act += recompute_working_set([lc for lcs in chunks for lc in lcs], mode)
-    return StageMemory(pp_rank=rank, recompute=mode, params_bytes=params, grads_bytes=grads, optimizer_bytes=opt,
-                       activation_bytes=act, workspace_bytes=workspace, in_flight_microbatches=in_flight)
+    return [[costs[kind_of(spec, n)] for n in names] for names in state.stages.chunks[rank]]
+
+
+def _stages(state: PlanState, rank: int) -> list[int]:
+    assert state.stages is not None
+    return [state.stages.stage_of(rank, c) for c in range(len(state.stages.chunks[rank]))]
+
+
+def rank_memory(state: PlanState, rank: int, mode: Recompute, actions: tuple[str, ...],
+                over: Overheads | None = None) -> StageMemory:
+    """Memory of one device of PP rank ``rank`` under whole-layer ``mode`` (cost_models/memory.py); ``over``: the
+    layout's overheads, when already priced."""
+    if over is None:
+        over = overheads(state.layout, state.strategy, state.target, hidden_size=state.graph.spec.hidden_size)
+    return device_memory(rank, rank_chunks(state, rank), in_flight_vectors(actions, _stages(state, rank)),
+                         mode=mode, layout=state.layout, precision=state.strategy.precision, target=state.target,
+                         over=over)
 
 
 MINDSPEED_RECOMPUTED = frozenset({"norm", "SwiGLU activation", "shared expert SwiGLU activation"})
 """Ops ``mindspeed`` re-runs: MindSpeed-LLM ``--recompute-norm`` and ``--recompute-activation-function``."""
 
 
-def _model_states(state: PlanState, rank: int) -> tuple[float, float, float, int]:
-    """(params, grads, optimizer bytes, largest op workspace) of one device of PP rank ``rank``."""
-    assert state.sharding is not None and state.stages is not None
-    lay, spec, costs = state.layout, state.graph.spec, state.sharding.layer_costs
-    lcs = [costs[kind_of(spec, n)] for names in state.stages.chunks[rank] for n in names]
-    ms = model_state_bytes(dense_params=sum(lc.params - lc.expert_params for lc in lcs),
-                           expert_params=sum(lc.expert_params for lc in lcs), dense_dp=lay.dp * lay.cp,
-                           expert_dp=lay.expert_dp)
-    return ms.params_bytes, ms.grads_bytes, ms.optimizer_bytes, max([0, *(lc.workspace_bytes for lc in lcs)])
-
-
-def in_flight_vectors(actions: tuple[str, ...], stages: list[int]) -> tuple[tuple[int, ...], ...]:
-    """The distinct counts of micro-batches in flight per chunk (``stages[c]``: chunk c's pipeline stage) after
-    each forward of one rank's action list, without those another one covers (every count ≤ its counts)."""
-    from moeplan.cost_models.timeline import compute_parts
-
-    where = {s: c for c, s in enumerate(stages)}
-    live = [0] * len(stages)
-    seen: set[tuple[int, ...]] = set()
-    for text in actions:
-        for a in compute_parts(text):
-            if a.kind == "F":
-                live[where[a.stage]] += 1
-                seen.add(tuple(live))
-            elif a.kind in ("B", "W"):
-                live[where[a.stage]] -= 1
-    return tuple(sorted(v for v in seen if not any(w != v and all(x >= y for x, y in zip(w, v)) for w in seen)))
-
-
 def rank_problem(state: PlanState, rank: int, mode: Recompute, actions: tuple[str, ...], budget: float,
-                 tensors: dict) -> tuple[RankProblem, tuple[float, float, float, int]]:
+                 tensors: dict, over: Overheads) -> tuple[RankProblem, StageMemory]:
     """The :class:`RankProblem` of PP rank ``rank`` (its groups, in-flight vectors and the bytes ``budget``
-    leaves for activations once the model states and the largest op workspace are counted) and those (params,
-    grads, optimizer, workspace bytes); ``tensors`` caches each kind's :class:`LayerTensors`."""
+    leaves for activations and the working set once every other term is counted) and the rank's memory without
+    activations (model states, workspace)."""
     assert state.sharding is not None and state.stages is not None
     spec, stages = state.graph.spec, state.stages
     groups = []
@@ -157,9 +134,15 @@ def rank_problem(state: PlanState, rank: int, mode: Recompute, actions: tuple[st
             counts[k] = counts.get(k, 0) + 1
         for k, n in counts.items():
             groups.append(Group(c, n, _tensors(state, k, tensors)))
-    static = _model_states(state, rank)
-    vectors = in_flight_vectors(actions, [stages.stage_of(rank, c) for c in range(len(stages.chunks[rank]))])
-    return RankProblem(tuple(g for g in groups if g.layer.tensors), vectors, budget - sum(static),
+    layers = [lc for lcs in rank_chunks(state, rank) for lc in lcs]
+    ms, workspace = rank_model_states(layers, state.layout, state.strategy.precision, state.target)
+    vectors = in_flight_vectors(actions, _stages(state, rank))
+    gathered = fsdp_gathered_bytes(layers, state.layout, state.strategy.precision, state.target)
+    static = StageMemory(pp_rank=rank, recompute=mode, params_bytes=ms.params_bytes, grads_bytes=ms.grads_bytes,
+                         optimizer_bytes=ms.optimizer_bytes, activation_bytes=0.0, workspace_bytes=workspace,
+                         in_flight_microbatches=max((sum(v) for v in vectors), default=0), gathered_bytes=gathered)
+    return RankProblem(tuple(g for g in groups if g.layer.tensors), vectors,
+                       over.activation_budget(budget, ms.total_bytes, workspace + gathered),
                        state.layout.num_microbatches,
                        state.target.host_bandwidth_bytes_per_s if mode == "ilp" else None), static
 
@@ -171,23 +154,29 @@ def _tensors(state: PlanState, kind, cache: dict) -> LayerTensors:  # noqa: ANN0
         lg = state.graph.layer(kind)
         cache[kind] = layer_tensors(lg, spec=state.graph.spec, layout=state.layout, target=state.target,
                                     dispatcher=state.strategy.dispatcher,
+                                    fp8_act_input=state.strategy.precision.fp8_activation_input,
                                     times=op_times_s(lg, layout=state.layout, target=state.target))
     return cache[kind]
 
 
 def op_rank_memory(state: PlanState, rank: int, mode: Recompute, actions: tuple[str, ...], budget: float,
-                   time_limit_s: float, tensors: dict) -> StageMemory:
+                   time_limit_s: float, tensors: dict, over: Overheads) -> StageMemory:
     """Memory of one device of PP rank ``rank`` under a per-tensor mode (module docstring), its decisions and
     the solver's status."""
-    problem, (params, grads, opt, workspace) = rank_problem(state, rank, mode, actions, budget, tensors)
-    memory = dict(pp_rank=rank, recompute=mode, params_bytes=params, grads_bytes=grads, optimizer_bytes=opt,
-                  workspace_bytes=workspace, in_flight_microbatches=max((sum(v) for v in problem.in_flight), default=0))
-    if mode == "mindspeed":  # fixed decisions: nothing solved, so no solver status
-        choices = tuple(choice_of(g, {o.name for o in g.layer.ops if o.label in MINDSPEED_RECOMPUTED}, set())
+    problem, static = rank_problem(state, rank, mode, actions, budget, tensors, over)
+    if mode in ("mindspeed", "modules"):  # fixed decisions: nothing solved, so no solver status
+        modules = state.strategy.recompute_modules
+        choices = tuple(choice_of(g, module_ops(g.layer, modules) if mode == "modules" else
+                                  {o.name for o in g.layer.ops if o.label in MINDSPEED_RECOMPUTED}, set())
                         for g in problem.groups)
         _, peak, exposed = evaluate(problem, choices)
-        return StageMemory(**memory, activation_bytes=peak, decisions=choices, exposed_swap_s=exposed)
+        work = working_set(choices)
+        return with_overheads(replace(static, activation_bytes=peak - work, working_set_bytes=work,
+                                      decisions=choices, exposed_swap_s=exposed), over)
     sol = solve(problem, time_limit_s=time_limit_s)
-    return StageMemory(**memory, activation_bytes=sol.peak_bytes, decisions=sol.choices,
-                       exposed_swap_s=sol.exposed_swap_s, solve_status=sol.status,
-                       solve_gap=sol.gap if sol.gap != float("inf") else -1.0, solve_reason=sol.reason)
+    work = working_set(sol.choices)
+    return with_overheads(replace(static, activation_bytes=sol.peak_bytes - work, working_set_bytes=work,
+                                  decisions=sol.choices, exposed_swap_s=sol.exposed_swap_s,
+                                  solve_status=sol.status, solve_gap=sol.gap if sol.gap != float("inf") else -1.0,
+                                  solve_reason=sol.reason), over)
+

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar, Literal, Sequence
 
-from moeplan.cost_models.memory import peak_live_bytes
+from moeplan.cost_models.memory import peak_live_bytes, vectors_of
 from moeplan.cost_models.timeline import OVERLAP, compute_parts
 from moeplan.errors import LayoutError, PlanError
 from moeplan.state import PlanState, Schedule, ScheduleKind
@@ -234,6 +234,45 @@ def max_in_flight(actions: Sequence[Sequence[str]], *, pp: int) -> tuple[int, ..
         raise PlanError(f"actions={len(actions)} ranks: must equal pp={pp}")
     ones = defaultdict(lambda: 1.0)  # every stage's micro-batch weighs 1
     return tuple(peak_live_bytes(rank_actions, ones)[1] for rank_actions in actions)
+
+
+def in_flight_by_rank(kind: ScheduleKind, *, pp: int, vpp: int, num_microbatches: int, fb: bool = False
+                      ) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per PP rank, the in-flight vectors of its action list (micro-batches in flight per VPP chunk after each
+    forward, dominated ones dropped: cost_models/memory.py ``in_flight_vectors``), which is what a rank's activation
+    peak depends on. Past a warm-up, a schedule repeats a fixed pattern, so the vectors stop changing with the
+    micro-batch count: from ``m = pp`` (1F1B, ``pp + 1`` with fb pairs), ``2·pp`` (interleaved, ZB-V, DualPipeV),
+    ``pp²`` (torch's interleaved zero bubble) on — counted for pp 2–8 and every vpp the search tries
+    (tests/test_schedule.py) —, so they are counted on the schedule of ``min(m, cap)`` micro-batches, ``cap`` the
+    smallest runnable count from ``2·pp·vpp`` on (``max(2·pp·vpp, pp²)`` for zero bubble): the same vectors,
+    without building a schedule of thousands of micro-batches. Cached per arguments."""
+    return _in_flight_by_rank(kind, pp, vpp, _equivalent_count(kind, pp, vpp, num_microbatches), fb)
+
+
+def _equivalent_count(kind: ScheduleKind, pp: int, vpp: int, m: int) -> int:
+    """The micro-batch count whose in-flight vectors equal ``m``'s (:func:`in_flight_by_rank`)."""
+    cap = max(2 * pp * vpp, pp * pp) if kind == "zero-bubble" else 2 * pp * vpp
+    if m <= cap:
+        return m
+    return next((c for c in range(cap, m) if schedule_fits(kind, pp=pp, vpp=vpp, num_microbatches=c) is None), m)
+
+
+@lru_cache(maxsize=512)
+def _in_flight_by_rank(kind: ScheduleKind, pp: int, vpp: int, m: int, fb: bool
+                       ) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The vectors from each rank's compute order alone, as :func:`build_actions` orders it: p2p actions and the
+    pairing of a forward with the next backward do not move any forward or backward."""
+    placement = placement_of(kind)
+    out = []
+    for r in range(pp):
+        if kind == "1f1b":
+            events = ((k, s) for k, s, _ in _one_f_one_b_compute(pp, m, r, int(fb)))
+        elif kind == "interleaved":
+            events = ((k, s) for k, s, _ in _interleaved_compute(pp, vpp, m, r, int(fb)))
+        else:
+            events = ((a.kind, a.stage) for t in torch_compute_order(kind, pp, vpp, m)[r] for a in compute_parts(t))
+        out.append(vectors_of(events, [stage_of(r, c, pp=pp, placement=placement) for c in range(vpp)]))
+    return tuple(out)
 
 
 def in_flight_bound(kind: ScheduleKind, *, pp: int, vpp: int, num_microbatches: int, fb: bool = False) -> int:

@@ -19,15 +19,16 @@ attention keeps its probabilities), as the runtime's autograd keeps them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, replace
+from typing import ClassVar, Mapping
 
-from moeplan.cost_models.compute import annotation_time_s
-from moeplan.cost_models.layer_program import forward_steps, layer_collectives, p2p_op, program
-from moeplan.ir import LayerGraph, OpAnnotation, OpKind, ShardHint
+from moeplan.cost_models.compute import runs_fp8, annotation_time_s
+from moeplan.cost_models.layer_program import (forward_steps, fsdp_collectives, layer_collectives, p2p_op, program,
+                                               with_fsdp)
+from moeplan.ir import LayerGraph, LayerKind, OpAnnotation, OpKind, ShardHint
 from moeplan.layout import Layout
 from moeplan.spec import ModelSpec
-from moeplan.state import Dispatcher, LayerCost, PlanState, Sharding
+from moeplan.state import Dispatcher, LayerCost, PlanState, Precision, Sharding
 from moeplan.targets import Target
 
 ACT_BYTES = 2  # bf16 activations
@@ -94,14 +95,17 @@ class ShardPass:
 
     def run(self, state: PlanState) -> PlanState:
         g, lay, tgt = state.graph, state.layout, state.target
-        costs = {kind: layer_cost(lg, spec=g.spec, layout=lay, target=tgt, dispatcher=state.strategy.dispatcher)
+        costs = {kind: layer_cost(lg, spec=g.spec, layout=lay, target=tgt, dispatcher=state.strategy.dispatcher,
+                                  precision=state.strategy.precision)
                  for kind, lg in g.layers.items()}
         return state.with_(sharding=Sharding(layer_costs=costs, p2p=p2p_op(g.spec, lay, tgt)))
 
 
 def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Target,
-               dispatcher: Dispatcher = "flat", op_times: dict | None = None) -> LayerCost:
-    """LayerCost of one layer of ``lg.kind`` for one micro-batch on one device (see the module docstring).
+               dispatcher: Dispatcher = "flat", op_times: dict | None = None, precision: Precision = Precision()
+               ) -> LayerCost:
+    """LayerCost of one layer of ``lg.kind`` for one micro-batch on one device (see the module docstring);
+    ``precision``: the recipe's (the SwiGLU's input in FP8, :func:`storage_bytes`; FSDP's gradient bytes).
 
     ``op_times``: a memo of op prices the caller keeps across layouts of one traced graph and one target (the
     layout search: an attention op's price depends on tp, cp and the micro-batch only, not on ep or etp)."""
@@ -124,19 +128,30 @@ def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Targe
         extra = (lg.grad_fanout_adds * target.launch.backward_kernel_s,
                  lg.param_tensor_count * target.launch.backward_kernel_s)
         dx, dw = dx + extra[0], dw + extra[1]
-    saved, saved_sel = _saved_bytes(lg, layout, target)
+    saved, saved_sel = _saved_bytes(lg, layout, target, precision.fp8_activation_input)
     dense = lg.param_count - lg.expert_param_count + lg.shared_param_count
     steps = forward_steps(lg, spec=spec, layout=layout, target=target, dispatcher=dispatcher)
+    prog, comm = program(steps, lambda op: times[op.name], bwd_extra_s=extra), layer_collectives(steps)
+    if layout.dp_shard > 1:
+        from moeplan.cost_models.memory import DTYPE_BYTES, fsdp_reshards
+
+        gathers, scatters = fsdp_collectives(dense_params=dense / layout.tp,
+                                             expert_params=lg.expert_param_count / (layout.ep * layout.tp),
+                                             layout=layout, target=target,
+                                             grad_bytes=DTYPE_BYTES[precision.grad_dtype])
+        regather = fsdp_reshards(layout)
+        prog = with_fsdp(prog, gathers, scatters, regather=regather)
+        comm += gathers + tuple(replace(g, phase="bwd") for g in gathers if regather) + scatters
     return LayerCost(
-        kind=lg.kind, fwd_s=fwd, bwd_input_s=dx, bwd_weight_s=dw, comm=layer_collectives(steps),
-        program=program(steps, lambda op: times[op.name], bwd_extra_s=extra),
+        kind=lg.kind, fwd_s=fwd, bwd_input_s=dx, bwd_weight_s=dw, comm=comm, program=prog,
         params=int(dense / layout.tp + lg.expert_param_count / (layout.ep * layout.tp)),
         expert_params=int(lg.expert_param_count / (layout.ep * layout.tp)),
         saved_bytes=saved, saved_selective_bytes=saved_sel,
         saved_full_bytes=int(_dtype_scaled(lg.input_bytes, 0, target) * layout.micro_batch
                              / (layout.cp * _sp(layout))) if lg.ops else 0,
         recompute_selective_s=sel_s, recompute_full_s=fwd, executed_flops=flops,
-        recompute_selective_flops=sel_flops, recompute_full_flops=fwd_flops, workspace_bytes=workspace)
+        recompute_selective_flops=sel_flops, recompute_full_flops=fwd_flops, workspace_bytes=workspace,
+        shared_params=int(lg.shared_param_count / layout.tp), shared_owner=_owner(spec, lg))
 
 
 def op_times_s(lg: LayerGraph, *, layout: Layout, target: Target, memo: dict | None = None
@@ -178,11 +193,28 @@ def _eager(target: Target) -> bool:
     return target.launch.granularity == "kernel"
 
 
+def _owner(spec: ModelSpec, lg: LayerGraph) -> LayerKind | None:
+    """The kind of the layer whose weights ``lg`` copies (moeplan/models/model.py ``shared_sources``), if any."""
+    from moeplan.models.model import shared_sources
+    from moeplan.trace import representative_layer
+
+    owners = set(shared_sources(spec, representative_layer(spec, lg.kind)).values()) if lg.shared_param_count else set()
+    return next((LayerKind.EMBEDDING if o.startswith("embedding.") else LayerKind.HEAD for o in owners), None)
+
+
+def _label(op: OpAnnotation) -> str:
+    from moeplan.cost_models.saved_tensors import label
+
+    return label(op)
+
+
 def _internal_saved(op: OpAnnotation, target: Target) -> float:
-    """Bytes the op keeps internally, in the target's dtype; the eager code's set on an eager (kernel) target."""
+    """Bytes the op keeps internally, in the target's dtype; the eager code's set on an eager (kernel) target. Under
+    FP8 training the part a GEMM keeps as its input is kept in FP8 (:func:`storage_bytes`)."""
     if _eager(target) and op.eager_saved_bytes is not None:
         return _dtype_scaled(op.eager_saved_bytes, op.eager_saved_fixed_bytes, target)
-    return _dtype_scaled(op.saved_bytes, op.saved_fixed_bytes, target)
+    nbytes = _dtype_scaled(op.saved_bytes, op.saved_fixed_bytes, target)
+    return nbytes - op.saved_gemm_input_bytes / 2 if runs_fp8(op, target) else nbytes
 
 
 def _saved_inputs(op: OpAnnotation, target: Target) -> tuple[str, ...]:
@@ -192,38 +224,75 @@ def _saved_inputs(op: OpAnnotation, target: Target) -> tuple[str, ...]:
     return op.saved_inputs
 
 
-def _saved_bytes(lg: LayerGraph, layout: Layout, target: Target) -> tuple[int, int]:
-    """(no recompute, selective) saved bytes per micro-batch in the target's dtype; each storage once.
+@dataclass(frozen=True)
+class StorageBytes:
+    """Per micro-batch on one device, in the target's dtype: the bytes of each op output some op keeps for backward
+    (``outputs``, by its producer's name; the layer input by its placeholder's name), of what each op keeps
+    internally (``internal``, by op), and which ops keep each output (``savers``)."""
+
+    outputs: Mapping[str, float]
+    internal: Mapping[str, float]
+    savers: Mapping[str, tuple[str, ...]]
+
+
+def storage_bytes(lg: LayerGraph, layout: Layout, target: Target, fp8_act_input: bool = False) -> StorageBytes:
+    """What each storage a layer may keep weighs (one home for passes/shard.py and cost_models/saved_tensors.py).
 
     A kept output is charged to the producer that owns its storage (a saved view keeps its base alive:
-    ``OpAnnotation.view_of`` followed to the first non-view). Under selective recompute the ops in SELECTIVE_KINDS
-    drop what they save internally and their outputs are not kept; the inputs they need to be recomputed stay
-    (those are outputs of kept ops or the layer input).
-    """
+    ``OpAnnotation.view_of`` followed to the first non-view). Under FP8 training (GEMMs of the decoder layers in
+    FP8, cost_models/compute.py) a GEMM keeps an FP8 copy of its input, not the input itself (Transformer Engine
+    ``Linear``/``GroupedLinear`` save only the quantized input, module/linear.py @ v2.8): a storage only FP8 GEMMs
+    keep weighs half, one kept by another op too weighs the original plus the FP8 copy. With ``fp8_act_input``
+    the SwiGLU keeps its input in FP8 too (the dense one's gate and up outputs, the routed experts' gate/up part
+    of what they keep internally)."""
     by_name = {o.name: o for o in lg.ops}
 
     def base(name: str) -> str:
         while name in by_name and by_name[name].view_of is not None:
-            name = by_name[name].view_of
+            name = by_name[name].view_of  # type: ignore[assignment]
         return name
 
     input_scale = layout.micro_batch / (layout.cp * _sp(layout))
-    internal = sel_internal = 0.0
-    kept: set[str] = set()
-    kept_sel: set[str] = set()
+
+    def nbytes(name: str) -> float:
+        return (_dtype_scaled(by_name[name].output_bytes, by_name[name].output_fixed_bytes, target)
+                * _kept_scale(by_name[name], layout) if name in by_name
+                else _dtype_scaled(lg.input_bytes, 0, target) * input_scale)
+
+    savers: dict[str, list[tuple[str, str]]] = {}  # storage -> (saver, the view of it the saver keeps)
+    internal = {}
+    act_fp8 = fp8_act_input and target.training_dtype == "fp8" and not _eager(target)
+
+    def fp8_keeper(op: OpAnnotation) -> bool:
+        return runs_fp8(op, target) or (act_fp8 and "SwiGLU" in _label(op))
+
     for op in lg.ops:
-        s = op_scale(op, layout)
-        recomputed = op.op_kind in SELECTIVE_KINDS
-        internal += _internal_saved(op, target) * s
-        sel_internal += 0.0 if recomputed else _internal_saved(op, target) * s
-        for name in map(base, _saved_inputs(op, target)):
-            kept.add(name)
-            if name not in by_name or by_name[name].op_kind not in SELECTIVE_KINDS:
-                kept_sel.add(name)
+        internal[op.name] = (_internal_saved(op, target)
+                             - (op.saved_act_input_bytes / 2 if act_fp8 and runs_fp8(op, target) else 0.0)
+                             ) * op_scale(op, layout)
+        for view in _saved_inputs(op, target):
+            savers.setdefault(base(view), []).append((op.name, view))
+    outputs = {}
+    for name, who in savers.items():
+        b = nbytes(name)
+        fp8 = {view for w, view in who if fp8_keeper(by_name[w])}
+        if not fp8:
+            outputs[name] = b
+            continue
+        # a node's views (its tuple's items) are storages of their own in the production kernels: each saver
+        # keeps the part it views, an FP8 keeper an FP8 copy of it
+        rest = {view for w, view in who if not fp8_keeper(by_name[w])}
+        outputs[name] = min(b, sum(map(nbytes, rest))) + min(b, sum(map(nbytes, fp8))) / 2
+    return StorageBytes(outputs, internal, {k: tuple(w for w, _ in v) for k, v in savers.items()})
 
-    def outputs(names: set[str]) -> float:
-        return sum(_dtype_scaled(by_name[n].output_bytes, by_name[n].output_fixed_bytes, target)
-                   * _kept_scale(by_name[n], layout) if n in by_name
-                   else _dtype_scaled(lg.input_bytes, 0, target) * input_scale for n in names)
 
-    return int(internal + outputs(kept)), int(sel_internal + outputs(kept_sel))
+def _saved_bytes(lg: LayerGraph, layout: Layout, target: Target, fp8_act_input: bool = False) -> tuple[int, int]:
+    """(no recompute, selective) saved bytes per micro-batch in the target's dtype; each storage once
+    (:func:`storage_bytes`). Under selective recompute the ops in SELECTIVE_KINDS drop what they save internally
+    and their outputs are not kept; the inputs they need to be recomputed stay (those are outputs of kept ops or
+    the layer input)."""
+    sb = storage_bytes(lg, layout, target, fp8_act_input)
+    kinds = {o.name: o.op_kind for o in lg.ops}
+    sel_internal = sum(b for n, b in sb.internal.items() if kinds[n] not in SELECTIVE_KINDS)
+    kept_sel = sum(b for n, b in sb.outputs.items() if kinds.get(n) not in SELECTIVE_KINDS)
+    return int(sum(sb.internal.values()) + sum(sb.outputs.values())), int(sel_internal + kept_sel)

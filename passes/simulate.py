@@ -8,8 +8,8 @@ recompute each layer's forward (its collectives included) runs again right befor
 PP group's action lists with the strategy's overlap mechanisms, the target's compute slow-down under
 communication and its host launch costs.
 
-Data parallelism (the distributed optimizer, ZeRO-1): per PP rank and chunk, a reduce-scatter of the fp32 gradients
-and an all-gather of the bf16 parameters, dense parameters over dp·cp ranks (stride tp) and routed experts over
+Data parallelism (the distributed optimizer, ZeRO-1): per PP rank and chunk, a reduce-scatter of the gradients (in
+the recipe's gradient dtype, ``Precision.grad_dtype``) and an all-gather of the parameters (the training dtype), dense parameters over dp·cp ranks (stride tp) and routed experts over
 expert-DP (stride tp·ep). Without mechanism ``dp`` they run after the rank's last backward, exposed. With ``dp``
 (Megatron-LM ``--overlap-grad-reduce --overlap-param-gather``) a chunk's reduce-scatter starts when its last
 backward ends and the all-gathers start with the step (gathering the next step's parameters while forwards run);
@@ -38,12 +38,12 @@ from dataclasses import dataclass, replace
 from typing import ClassVar, Iterable, Mapping, Sequence
 
 from moeplan.cost_models.comm import collective_time_s, group_tier
-from moeplan.cost_models.memory import GRAD_BYTES, PARAM_BYTES
+from moeplan.cost_models.memory import saved_bytes, state_bytes_per_param
 from moeplan.cost_models.timeline import (RunSettings, StageProgram, Timeline, compact, concat_segments,
                                          overlap_rate_of, simulate)
 from moeplan.flops import flops_per_token
 from moeplan.ir import LayerKind, kind_of
-from moeplan.passes.plan_memory import saved_bytes
+from moeplan.layout import Layout
 from moeplan.state import OP_MODES, LayerCost, PlanState, Prediction, Recompute, Segment
 from moeplan.targets import Target
 
@@ -169,34 +169,56 @@ def dp_collectives(state: PlanState, rank: int) -> list[DpCollective]:
     lay, tgt, spec = state.layout, state.target, state.graph.spec
     assert state.sharding is not None and state.stages is not None
     costs, out = state.sharding.layer_costs, []
-    param_bytes = PARAM_BYTES * tgt.dtype_bytes / 2
+    param_bytes = tgt.dtype_bytes
+    grad_bytes = state_bytes_per_param(param_bytes, state.strategy.precision)[1]
     for c, names in enumerate(state.stages.chunks[rank]):
         stage = state.stages.stage_of(rank, c)
         lcs = [costs[kind_of(spec, x)] for x in names]
         dense = sum(x.params - x.expert_params for x in lcs)
         expert = sum(x.expert_params for x in lcs)
+        if lay.dp_shard > 1:  # FSDP reduces each layer's gradients in its backward; replicas (HSDP) all-reduce shards
+            out += replica_reductions(lay, tgt, stage, dense, expert, grad_bytes)
+            continue
         for params, group, stride in ((dense, lay.dp * lay.cp, lay.tp), (expert, lay.expert_dp, lay.tp * lay.ep)):
             if params == 0 or group == 1:
                 continue
-            rs, ag, tier = dp_sync_s(params, group=group, stride=stride, target=tgt)
+            rs, ag, tier = dp_sync_s(params, group=group, stride=stride, target=tgt, grad_bytes=grad_bytes)
             bucket = min(params, BUCKET_PARAMS)
             first = collective_time_s(kind="all_gather", bytes=int(bucket * param_bytes / group), group_size=group,
                                       tier=tier, target=tgt)
-            out.append(DpCollective("reduce_scatter", stage, rs, tier, params * GRAD_BYTES * (group - 1) / group))
+            out.append(DpCollective("reduce_scatter", stage, rs, tier, params * grad_bytes * (group - 1) / group))
             out.append(DpCollective("all_gather", stage, ag, tier, params * param_bytes * (group - 1) / group, first))
     return out
 
 
-def dp_sync_s(params: float, *, group: int, stride: int, target: Target) -> tuple[float, float, str]:
+def replica_reductions(lay: Layout, tgt: Target, stage: int, dense: float, expert: float,
+                        grad_bytes: int) -> list[DpCollective]:
+    """Under HSDP (``dp_shard < dp``): the all-reduce of each FSDP shard's gradients over the ``dp / dp_shard``
+    replicas (PyTorch FSDP2 with a 2-D mesh: reduce-scatter inside the shard group, all-reduce across replicas)."""
+    replicas = lay.dp // lay.dp_shard
+    out = []
+    for params, group, stride in ((dense, lay.fsdp_group, lay.tp), (expert, lay.expert_fsdp_group, lay.tp * lay.ep)):
+        if params == 0 or replicas == 1:
+            continue
+        shard = params / group
+        tier = group_tier(stride=stride * group, group_size=replicas, devices_per_node=tgt.devices_per_node)
+        t = collective_time_s(kind="all_reduce", bytes=int(shard * grad_bytes), group_size=replicas, tier=tier,
+                              target=tgt)
+        out.append(DpCollective("all_reduce", stage, t, tier, 2 * shard * grad_bytes * (replicas - 1) / replicas))
+    return out
+
+
+def dp_sync_s(params: float, *, group: int, stride: int, target: Target, grad_bytes: int = 4
+              ) -> tuple[float, float, str]:
     """(reduce-scatter seconds, all-gather seconds, link tier) of ``params`` parameters over a DP group of
-    ``group`` ranks ``stride`` apart: the fp32 gradients reduce-scattered, the updated weights (the training
-    dtype) all-gathered, in :func:`_buffers_per_class` buffers each (module docstring)."""
+    ``group`` ranks ``stride`` apart: the gradients (``grad_bytes`` each: the recipe's gradient dtype,
+    cost_models/memory.py) reduce-scattered, the updated weights (the training dtype) all-gathered, in
+    :func:`_buffers_per_class` buffers each (module docstring)."""
     n = _buffers_per_class(target)
     tier = group_tier(stride=stride, group_size=group, devices_per_node=target.devices_per_node)
-    rs = n * collective_time_s(kind="reduce_scatter", bytes=int(params * GRAD_BYTES / n), group_size=group,
+    rs = n * collective_time_s(kind="reduce_scatter", bytes=int(params * grad_bytes / n), group_size=group,
                                tier=tier, target=target)
-    ag = n * collective_time_s(kind="all_gather", bytes=int(params * PARAM_BYTES * target.dtype_bytes / 2
-                                                                 / (group * n)),
+    ag = n * collective_time_s(kind="all_gather", bytes=int(params * target.dtype_bytes / (group * n)),
                                group_size=group, tier=tier, target=target)
     return rs, ag, tier
 
@@ -237,7 +259,7 @@ def dp_exposure(ops: Sequence[DpCollective], *, tl: Timeline, rank: int, overlap
         first_f = tl.first_forward_s[rank].get(o.stage, 0.0)
         wait = max(wait, _fill(free[o.tier], o.first_bucket_s, busy[o.tier]) - first_f)
         free[o.tier] = _fill(free[o.tier], o.time_s, busy[o.tier])
-    for o in sorted((o for o in ops if o.kind == "reduce_scatter"),
+    for o in sorted((o for o in ops if o.kind != "all_gather"),
                     key=lambda o: tl.last_backward_end_s[rank].get(o.stage, end)):
         ready = max(free[o.tier], tl.last_backward_end_s[rank].get(o.stage, end))
         free[o.tier] = _fill(ready, o.time_s, busy[o.tier])
@@ -278,7 +300,15 @@ def optimizer_s(state: PlanState, rank: int) -> float:
     lcs = [state.sharding.layer_costs[kind_of(spec, n)] for n in names]
     dense = sum(c.params - c.expert_params for c in lcs)
     expert = sum(c.expert_params for c in lcs)
-    return norm_s(lay.world_size, tgt) + adam_s(dense / (lay.dp * lay.cp) + expert / lay.expert_dp, tgt) + _optimizer_launch_s(state, names)
+    return norm_s(lay.world_size, tgt) + adam_s(owned_params(lay, dense, expert), tgt) + _optimizer_launch_s(state, names)
+
+
+def owned_params(layout: Layout, dense: float, expert: float) -> float:
+    """Parameters whose optimizer update one device runs: its shard of the ``dense`` and ``expert`` parameters it
+    holds under TP/EP, over dp·cp and expert-DP (ZeRO-1), or over the FSDP groups."""
+    if layout.dp_shard > 1:
+        return dense / layout.fsdp_group + expert / layout.expert_fsdp_group
+    return dense / (layout.dp * layout.cp) + expert / layout.expert_dp
 
 
 def stage_programs(state: PlanState) -> tuple[list[StageProgram], list[float]]:

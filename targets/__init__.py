@@ -197,6 +197,39 @@ class RuntimeSupport(BaseModel):
     (Megatron-LM's and MindSpeed's zero-bubble split); ``whole-backward``, the stage's backward traversed again
     w.r.t. the parameters, dX kernels included (moeplan's executor: eager autograd cannot run the dW half alone
     without its graph walk, docs/runtime.md), so W costs about a B."""
+    fsdp: bool = True
+    """Whether the runtime shards parameters with FSDP (ZeRO-3): torchtitan's FSDP2 and Megatron-LM's Megatron-FSDP
+    do; moeplan's own runtime does not (ZeRO-1 only)."""
+    grad_shard_copy: bool = False
+    """Whether the optimizer keeps an fp32 copy of its gradient shard beside the gradients (moeplan's
+    ``DistributedAdamW``: ``FlatParams.grad``, 4 bytes per parameter of the shard; Megatron-LM's shard is a view of
+    its gradient buffer)."""
+    norm_weight_shard: bool = False
+    """Whether the optimizer keeps a per-element fp32 weight for the global gradient norm (moeplan's
+    ``DistributedAdamW``: ``FlatParams.norm_weight``, 4 bytes per parameter of the shard)."""
+    master_copy: Literal["narrower", "always"] = "narrower"
+    """When the optimizer keeps its own copy of the weights (its master weights): ``narrower``, only when the
+    model's weights are narrower than ``--main-params-dtype`` (Megatron-LM: an fp32 model's shard is a view);
+    ``always`` (moeplan's ``DistributedAdamW`` clones its fp32 shard whatever the model's dtype,
+    moeplan/runtime/optimizer.py)."""
+
+
+class MemoryOverheads(BaseModel):
+    """Device memory a training process holds beside its tensors (cost_models/memory.py): each figure with its
+    source in the target's file and in docs/targets.md."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+    runtime_bytes: StrictFloat = Field(default=0.0, ge=0, le=MAX_MEMORY)
+    """Bytes a process holds on the device before its first tensor: the driver context, the kernels' modules
+    loaded, the math libraries' workspaces."""
+    communicator_bytes: StrictFloat = Field(default=0.0, ge=0, le=MAX_MEMORY)
+    """Device bytes one communicator (one process group the rank runs collectives on) holds for its buffers."""
+    all_to_all_peer_bytes: StrictFloat = Field(default=0.0, ge=0, le=MAX_MEMORY)
+    """Device bytes an all-to-all communicator holds per peer it reaches inside the node (NCCL connects every
+    channel to every peer; 0 where the communicator's own buffer serves all peers, as HCCL's)."""
+    allocator_fraction: StrictFloat = Field(default=0.0, ge=0, le=1)
+    """The caching allocator's memory reserved but not allocated, as a fraction (0–1) of the bytes allocated
+    (fragmentation)."""
 
 
 class Target(BaseModel):
@@ -211,8 +244,9 @@ class Target(BaseModel):
     """Devices per node, a count: a group within one node uses the ``intra_node`` link, else ``inter_node``."""
     memory_bytes: StrictFloat = Field(gt=0, le=MAX_MEMORY)
     """Device memory (HBM) per device, bytes."""
-    usable_memory_fraction: StrictFloat = Field(default=0.9, gt=0, le=1)
-    """Fraction (0–1) of ``memory_bytes`` a plan may fill; the rest: framework, fragmentation."""
+    memory_overheads: MemoryOverheads = MemoryOverheads()
+    """What the runtime, the communication libraries and the allocator take of ``memory_bytes`` beside the
+    plan's tensors."""
     hbm_bandwidth_bytes_per_s: StrictFloat = Field(ge=1, le=MAX_BANDWIDTH)
     """Device memory (HBM) bandwidth per device, bytes/s."""
     cube_flops: StrictFloat = Field(ge=1, le=MAX_FLOPS)
@@ -248,10 +282,6 @@ class Target(BaseModel):
     """The schedules, dispatchers and overlap mechanisms the target's runtime executes."""
     variant: str | None = None
     """The variant of the target file chosen (e.g. ``313t``), None for none."""
-
-    @property
-    def usable_memory_bytes(self) -> float:
-        return self.memory_bytes * self.usable_memory_fraction
 
     @property
     def dtype_bytes(self) -> int:

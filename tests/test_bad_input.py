@@ -383,8 +383,9 @@ def test_rejections_are_typed():
     from moeplan.trace import trace_model
 
     spec = load_spec("tiny-pangu")
-    built = build_options(graph=trace_model(spec, seq_len=64), target=load_target("cpu"), num_devices=16,
-                          fixed=Fixed(global_batch=8, seq_len=64))
+    cpu = load_target("cpu")
+    built = build_options(graph=trace_model(spec, seq_len=64), target=cpu, num_devices=16,
+                          fixed=Fixed(global_batch=8, seq_len=64), budget=cpu.memory_bytes)
     assert built.options and set(built.rejected) <= set(REASONS) and set(built.examples) == set(built.rejected)
     heads = built.examples["tp-heads"]
     assert isinstance(heads, Rejection) and heads.figure == spec.num_heads and heads.message.startswith("tp=")

@@ -20,7 +20,7 @@ from moeplan.errors import SpecError
 from moeplan.flops import count_params
 from moeplan.ir import named_layers
 from moeplan.passes.partition_stages import SLOT_KINDS
-from moeplan.estimate import estimate_step, model_cost, slot_weights, stage_params
+from moeplan.estimate import estimate_memory, estimate_step, model_cost, slot_weights, stage_params
 from moeplan.search import check
 from moeplan.spec import load_spec
 from moeplan.targets import load_target
@@ -117,9 +117,12 @@ def test_screen_reports_the_best_shortlist_estimate(tiny_result):
                 check(lay, graph=graph, num_devices=8, devices_per_node=target.devices_per_node, num_slots=len(slots))
             except ValueError:
                 continue
-            est = estimate_step(lay, st, model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, {}),
-                                weights=slot_weights(graph, slots), slots=tuple(int(k in SLOT_KINDS) for k in slots),
-                                params=stage_params(lay, graph, counts), target=target)
+            cost = model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, {})
+            memory = estimate_memory(lay, st, cost, kinds=tuple(slots), target=target, budget=target.memory_bytes,
+                                     hidden_size=spec.hidden_size)
+            est = estimate_step(lay, st, cost, weights=slot_weights(graph, slots),
+                                slots=tuple(int(k in SLOT_KINDS) for k in slots),
+                                params=stage_params(lay, graph, counts), target=target, memory=memory)
             if best is None or (not est.fits, est.step_s) < best:
                 best = (not est.fits, est.step_s)
         assert s.status == "ok" and (not s.fits, s.step_s) == pytest.approx(best, rel=1e-12)
@@ -175,9 +178,12 @@ def _estimate_cases() -> list[tuple]:
     counts = Counter(slots)
     cases = []
     for lay, st in shortlist([spec], target=target, num_devices=8, keep=40):
+        cost = model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, {})
         kw = dict(weights=slot_weights(graph, slots), slots=tuple(int(k in SLOT_KINDS) for k in slots),
-                  params=stage_params(lay, graph, counts), target=target)
-        cases.append((lay, st, model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, {}), kw))
+                  params=stage_params(lay, graph, counts), target=target,
+                  memory=estimate_memory(lay, st, cost, kinds=tuple(slots), target=target,
+                                         budget=target.memory_bytes, hidden_size=spec.hidden_size))
+        cases.append((lay, st, cost, kw))
     return cases
 
 

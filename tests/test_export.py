@@ -21,6 +21,7 @@ from moeplan.export import TARGETS, export_file, export_plan, pipeline_stages
 from moeplan.plan import SCHEMA_VERSION, save_plan
 from moeplan.search import Fixed
 from moeplan.spec import load_spec
+from moeplan.state import Precision
 from moeplan.targets import load_target
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -55,6 +56,10 @@ def plans():
         "selective": _tiny(pp=2, vpp=1, recompute="selective"),
         "dualpipev": _tiny("h800", 16, global_batch=32, pp=2, vpp=2, tp=2, ep=4, etp=1, schedule="dualpipev",
                            dispatcher="dedup", overlap=frozenset({"fb", "dp", "pp", "shared-expert"})),
+        "fsdp": _tiny("h100", 8, global_batch=16, pp=1, tp=1, cp=1, ep=2, etp=1, micro_batch=2, dp_shard=8),
+        "recipe": _tiny("h800", 8, global_batch=16, pp=2, tp=1, cp=1, ep=2, etp=1, micro_batch=1,
+                        recompute="modules", recompute_modules=("layernorm", "mla_up_proj", "moe_act"),
+                        precision=Precision(grad_dtype="bf16", moments_dtype="bf16", fp8_activation_input=True)),
     }
 
 
@@ -90,9 +95,31 @@ def _check_real_flags(plan, target):
 
 
 @pytest.mark.parametrize("target", ["megatron", "mindspeed-llm"])
-@pytest.mark.parametrize("name", ["pp2vpp2", "free-pp4", "ilp", "mindspeed", "selective", "dualpipev"])
+@pytest.mark.parametrize("name", ["pp2vpp2", "free-pp4", "ilp", "mindspeed", "selective", "dualpipev", "fsdp",
+                                  "recipe"])
 def test_every_flag_is_in_the_runtime_parser(plans, name, target):
     _check_real_flags(plans[name], target)
+
+
+def test_fsdp_and_the_recipe_are_exported_with_their_flags(plans):
+    """FSDP: Megatron-FSDP's flags, refused by MindSpeed-LLM with a note, torchtitan's shard degree; the recipe's
+    precision and Megatron-LM recompute modules with their own flags (MindSpeed-LLM's where it has them)."""
+    fsdp = _args(export_plan(plans["fsdp"], "megatron").document())
+    assert fsdp["--data-parallel-sharding-strategy"] == ["optim_grads_params"] and "--use-megatron-fsdp" in fsdp
+    assert "--use-distributed-optimizer" not in fsdp
+    ms = export_plan(plans["fsdp"], "mindspeed-llm")
+    assert "--data-parallel-sharding-strategy" not in _args(ms.document())
+    assert any("layout.dp_shard=8" in n for n in ms.notes)
+    par = tomllib.loads(export_plan(plans["fsdp"], "torchtitan").document())["parallelism"]
+    assert (par["data_parallel_shard_degree"], par["data_parallel_replicate_degree"]) == (8, 1)
+    meg = _args(export_plan(plans["recipe"], "megatron").document())
+    assert {"--grad-reduce-in-bf16", "--use-precision-aware-optimizer", "--use-distributed-optimizer"} <= set(meg)
+    assert any("activation_func_fp8_input_store" in n for n in export_plan(plans["recipe"], "megatron").notes)
+    assert meg["--exp-avg-dtype"] == meg["--exp-avg-sq-dtype"] == ["bf16"]
+    assert meg["--recompute-granularity"] == ["selective"]
+    assert meg["--recompute-modules"] == ["layernorm", "mla_up_proj", "moe_act"]
+    mind = _args(export_plan(plans["recipe"], "mindspeed-llm").document())
+    assert {"--recompute-norm", "--recompute-mla-up-proj", "--recompute-activation-function"} <= set(mind)
 
 
 @pytest.mark.parametrize("target", ["megatron", "mindspeed-llm"])
@@ -170,7 +197,8 @@ def test_torchtitan_toml_holds_the_degrees(plans, plan_718b):
         assert keys <= TORCHTITAN_KEYS, keys - TORCHTITAN_KEYS
         lay, par = plan.layout, cfg["parallelism"]
         assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["context_parallel_degree"],
-                par["data_parallel_shard_degree"]) == (lay.tp, lay.pp, lay.cp, lay.dp)
+                par["data_parallel_shard_degree"] * par["data_parallel_replicate_degree"]) == (lay.tp, lay.pp, lay.cp,
+                                                                                              lay.dp)
         assert par["expert_parallel_degree"] * lay.etp == lay.ep * lay.tp
         assert cfg["training"]["global_batch_size"] == lay.global_batch
         if lay.pp > 1:

@@ -13,7 +13,7 @@ from moeplan.errors import PlanError
 from moeplan.ir import LayerKind
 from moeplan.layout import Layout
 from moeplan.memory_ilp import Group, RankProblem, choice_of, evaluate, heuristic, solve
-from moeplan.passes.plan_memory import in_flight_vectors
+from moeplan.cost_models.memory import in_flight_vectors
 from moeplan.passes.shard import layer_cost, op_times_s
 from moeplan.plan import load_plan, save_plan
 from moeplan.runtime.launch import check_strategy

@@ -16,6 +16,7 @@ from test_cli import assert_one_line_error
 
 from moeplan.cli import PIPELINE_HELP, app
 from moeplan.errors import SpecError
+from moeplan.plan import MEMORY_TERMS
 from moeplan.render import plural, shape_sources
 from moeplan.runtime.compare import BUSY_SHARE, busy_warning, compare
 from moeplan.runtime.metrics import HostLoad, RankStep, StepRecord
@@ -51,7 +52,9 @@ def test_piped_output_keeps_lines_and_cells_whole(compiled):
     mfu = next(line for line in compiled if "│ MFU" in line)
     assert "(docs/references.md §4.1))" in mfu  # the definition is not wrapped onto a second row
     memory_rows = [line for line in compiled if line.startswith("│ 0 ")]
-    assert memory_rows and all(line.count("GiB") == 6 for line in memory_rows[-1:])  # units stay in their cells
+    cells = [c.strip() for c in memory_rows[-1].strip("│").split("│")]  # every memory term in its own cell, in GiB
+    assert cells[1] == "none" and len(cells) == 2 + len(MEMORY_TERMS) + 2 and all(
+        re.fullmatch(r"[+-]?\d+\.\d\d", c) for c in cells[2:])
     assert not any(re.fullmatch(r"[│┃ ]*((GiB|ms|s)[│┃ ]*)+", line) for line in compiled)  # no row of bare units
 
 

@@ -102,11 +102,11 @@ def test_plan_memory_picks_cheapest_fitting_mode():
     sel = max(rank_memory(base, r, "selective", acts[r]).total_bytes for r in range(2))
     fullm = max(rank_memory(base, r, "full", acts[r]).total_bytes for r in range(2))
     assert fullm < sel < need_none
-    budget_frac = (sel + fullm) / 2 / CPU.usable_memory_bytes  # full fits, selective does not on the larger rank
+    budget_frac = (sel + fullm) / 2 / CPU.memory_bytes  # full fits, selective does not on the larger rank
     tight = PlanMemoryPass(budget_fraction=budget_frac).run(base).memory
     assert "full" in {m.recompute for m in tight.stages}
     with pytest.raises(InfeasibleError, match=r"needs [\d.]+ GiB per device even with full recompute") as info:
-        PlanMemoryPass(budget_fraction=fullm / 4 / CPU.usable_memory_bytes).run(base)
+        PlanMemoryPass(budget_fraction=fullm / 4 / CPU.memory_bytes).run(base)
     # the figure as a number, for the search: the first rank that fits under no mode, at full recompute
     assert info.value.needs_bytes == rank_memory(base, 0, "full", acts[0]).total_bytes
     # in flight on rank 0 of 1F1B with 8 micro-batches and pp 2: 2 micro-batches

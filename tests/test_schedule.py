@@ -212,3 +212,24 @@ def test_zero_bubble_fits_exactly_when_torch_builds_it():
             except ValueError:
                 built = False
             assert built == (rule is None), (pp, m, rule)
+
+
+@pytest.mark.parametrize("kind, vpps", [("1f1b", (1,)), ("interleaved", (2, 3)), ("zero-bubble", (2,)),
+                                        ("zbv", (2,)), ("dualpipev", (2,))])
+def test_in_flight_vectors_stop_changing_past_the_cap(kind, vpps):
+    """in_flight_by_rank counts a long schedule's in-flight vectors on a shorter one of the same pattern: for every
+    rank they equal the vectors walked from the full action list."""
+    from moeplan.cost_models.memory import in_flight_vectors
+    from moeplan.passes.schedule import build_actions, in_flight_by_rank, placement_of, schedule_fits, stage_of
+
+    for pp in (2, 3, 4):
+        for vpp in vpps:
+            for fb in ((False, True) if kind in ("1f1b", "interleaved", "dualpipev") else (False,)):
+                cap = max(2 * pp * vpp, pp * pp) if kind == "zero-bubble" else 2 * pp * vpp
+                for m in range(cap, 3 * cap + 1):
+                    if schedule_fits(kind, pp=pp, vpp=vpp, num_microbatches=m) is not None:
+                        continue
+                    actions = build_actions(kind, pp=pp, vpp=vpp, num_microbatches=m, fb=fb)
+                    full = tuple(in_flight_vectors(actions[r], [stage_of(r, c, pp=pp, placement=placement_of(kind))
+                                                                for c in range(vpp)]) for r in range(pp))
+                    assert in_flight_by_rank(kind, pp=pp, vpp=vpp, num_microbatches=m, fb=fb) == full, (pp, vpp, m)

@@ -89,7 +89,17 @@ def test_saved_tensors_and_views(tiny, graph):
     routed = SEQ * tiny.top_k
     assert experts.matmul_mnk == (routed // tiny.num_experts, tiny.moe_ffn_size, tiny.hidden_size)
     assert experts.fwd_flops == 2 * 3 * routed * tiny.hidden_size * tiny.moe_ffn_size
-    assert experts.saved_bytes == 4 * routed * tiny.moe_ffn_size * 2  # w1 x, w3 x, silu, product (bf16)
+    # production kernels (a fused SwiGLU): the gate/up output and the activation output; eager: w1 x, w3 x, silu,
+    # product (bf16)
+    assert experts.saved_bytes == 3 * routed * tiny.moe_ffn_size * 2
+    assert experts.saved_act_input_bytes == 2 * routed * tiny.moe_ffn_size * 2
+    assert experts.saved_gemm_input_bytes == routed * tiny.moe_ffn_size * 2
+    assert experts.eager_saved_bytes == 4 * routed * tiny.moe_ffn_size * 2
+    silu, mul = _op(dense, "silu"), _op(dense, "mul")  # the dense SwiGLU: the product keeps gate and up
+    assert silu.saved_inputs == () and silu.eager_saved_inputs == ("mlp_w1",)
+    assert mul.saved_inputs == ("mlp_w1", "mlp_w3") and set(mul.eager_saved_inputs) == {"mlp_w3", "silu"}
+    combine = next(o for o in moe.ops if o.op_kind == OpKind.COMBINE)
+    assert combine.saved_bytes == 0 and combine.eager_saved_bytes > 0  # no expert outputs kept in production
     assert moe.saved_bytes() > dense.saved_bytes() > 0
 
 

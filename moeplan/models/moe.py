@@ -179,6 +179,26 @@ class TokenPermute(nn.Module):
         return x_ext.index_select(0, slot_of_row // k), counts.clamp(max=cap), row_of_slot
 
 
+class FusedSwiGLU(torch.autograd.Function):
+    """``silu(gate) · up`` of ``gate_up [..., 2f] -> [..., f]`` that keeps only its input for backward, as the
+    fused kernels of production runtimes do (Megatron-LM ``bias_swiglu_impl`` / ``weighted_bias_swiglu_impl``,
+    megatron/core/fusions/fused_bias_swiglu.py): what the planner counts for them (moeplan/trace.py). moeplan's
+    own runtime runs the eager form, which keeps ``silu(gate)`` too."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        return torch.cat((grad * up * sig * (1 + gate * (1 - sig)), grad * gate * sig), dim=-1)
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts as stacked weights ``w1, w3 [E, h, f]``, ``w2 [E, f, h]``.
 
@@ -209,7 +229,13 @@ class GroupedExperts(nn.Module):
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return (F.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e]
 
-    def _batched(self, rows: torch.Tensor) -> torch.Tensor:
+    def fused_kernel(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The balanced path with the SwiGLU fused (:class:`FusedSwiGLU`): what a production grouped-GEMM MLP
+        keeps for backward — its input rows, the gate/up output and the activation output (Megatron-LM
+        ``TEGroupedMLP``) — for the tracer to measure (meta only)."""
+        return self._batched(rows, fused=True)
+
+    def _batched(self, rows: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """Balanced split: ``R // E`` rows per expert in one bmm, the ``R mod E`` remaining rows one each to the
         first experts (a second, small bmm), so exactly R rows of work are done."""
         num, hidden = rows.shape
@@ -217,15 +243,19 @@ class GroupedExperts(nn.Module):
         parts = []
         if base:
             parts.append(self._bmm(rows[:base * self.num_experts].view(self.num_experts, base, hidden),
-                                   self.num_experts))
+                                   self.num_experts, fused))
         if extra:
-            parts.append(self._bmm(rows[base * self.num_experts:].view(extra, 1, hidden), extra))
+            parts.append(self._bmm(rows[base * self.num_experts:].view(extra, 1, hidden), extra, fused))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-    def _bmm(self, x: torch.Tensor, experts: int) -> torch.Tensor:
+    def _bmm(self, x: torch.Tensor, experts: int, fused: bool = False) -> torch.Tensor:
         """``x [e, n, h]`` through the first ``e`` experts -> ``[e·n, h]``."""
         w1, w3, w2 = self.w1[:experts], self.w3[:experts], self.w2[:experts]
-        return torch.bmm(F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3), w2).flatten(0, 1)
+        if fused:
+            act = FusedSwiGLU.apply(torch.cat((torch.bmm(x, w1), torch.bmm(x, w3)), dim=-1))
+        else:
+            act = F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3)
+        return torch.bmm(act, w2).flatten(0, 1)
 
 
 class TokenUnpermute(nn.Module):

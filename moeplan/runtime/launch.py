@@ -215,6 +215,15 @@ def check_strategy(plan: Plan) -> None:
                         f"{','.join(m for m in plan.comm.overlap if m in RUNTIME_OVERLAP) or 'none'}")
     if plan.target.training_dtype == "fp8":
         raise PlanError("target.training_dtype='fp8': the runtime has no FP8 GEMMs; compile with --training-dtype bf16")
+    if plan.layout.dp_shard > 1:
+        raise PlanError(f"layout.dp_shard={plan.layout.dp_shard}: the runtime shards optimizer states only (ZeRO-1), "
+                        f"not parameters (FSDP); compile with --dp-shard 1")
+    prec = plan.memory.precision
+    if (prec.grad_dtype, prec.main_params_dtype, prec.moments_dtype) != ("fp32", "fp32", "fp32") or not (
+            prec.distributed_optimizer):
+        raise PlanError(f"memory.precision={prec.short()!r}: the runtime keeps fp32 gradients, master weights and "
+                        f"moments with the distributed optimizer; compile without --grad-dtype, --main-params-dtype, "
+                        f"--optimizer-dtype and --no-distributed-optimizer")
 
 
 def check_backend(backend: Literal["cpu", "cuda", "npu"]) -> None:

@@ -1,8 +1,10 @@
 """The runtime carries out per-tensor recompute / swap plans (issue 9, moeplan/runtime/activations.py).
 
-tiny-pangu on one cpu device under tight budgets, three decision mixes: swap-heavy (``ilp`` at 9.2 MiB: almost
-every storage swapped), mixed (``ilp`` at 8.7 MiB: swaps plus a few re-run ops) and recompute-heavy
-(``ilp-no-swap`` at 8.7 MiB). Each trains 20 steps in one process; the losses must match the single-process model
+tiny-pangu on one cpu device under tight budgets, three decision mixes: swap-heavy (``ilp`` at 12.03 MiB: almost
+every storage swapped), mixed (``ilp`` at 11.52 MiB: swaps plus a few re-run ops) and recompute-heavy
+(``ilp-no-swap`` at 11.52 MiB). The budgets leave the activations the room they had at 9.0 and 8.5 MiB before the
+plan counted the model states the runtime really holds (4-byte weights, its fp32 gradient and norm-weight shards,
+the MTP's tied weights once: 2.8 MiB more; docs/memory.md §8). Each trains 20 steps in one process; the losses must match the single-process model
 and the measured peak of device-side saved activations must stay under what the budget leaves for activations.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ from test_executor import LR, STEPS, _assert_close, launch_function  # noqa: E40
 
 PIPELINE = "shard,partition-stages,place-experts,schedule,plan-memory,simulate"
 #: name -> (recompute mode, budget GiB)
-MIXES = {"swap_heavy": ("ilp", 0.009), "mixed": ("ilp", 0.0085), "recompute_heavy": ("ilp-no-swap", 0.0085)}
+MIXES = {"swap_heavy": ("ilp", 0.0117526), "mixed": ("ilp", 0.0112526), "recompute_heavy": ("ilp-no-swap", 0.0112526)}
 
 
 def tight_plan(mode: str, budget_gib: float) -> Plan:
@@ -89,7 +91,7 @@ def test_device_saved_bytes_follow_the_plan(plans, runs, name):
     peaks = [peak for _, peak, _ in runs[name]]
     if name != "mixed":  # mixed: 1,899,520 B measured for 1,881,344 predicted, the plan at its budget: 6 KB over
         assert max(peaks) + states <= budget
-    assert max(peaks) == pytest.approx(rank.activation_bytes, rel=0.10)
+    assert max(peaks) == pytest.approx(rank.activation_bytes + rank.working_set_bytes, rel=0.10)
     hosts = [host for _, _, host in runs[name]]
     assert (max(hosts) > 0) == (name != "recompute_heavy")
 
