@@ -18,9 +18,17 @@ recompute mode per PP rank) and the schedule (number of micro-batches and sends)
 - bytes per class: in-layer collectives M · Σ bytes; ``pp`` the p2p message bytes times the rank's SENDs; ``dp``
   (rows named ``grad sync``; predicted when the experts reduce over the same group as the dense parameters, ep = 1)
   the runtime's fp32 reduce-scatter input and all-gather shard of the rank's parameters, ``4·P·(1 + 1/(dp·cp))``;
-- peak saved-activation bytes on the device: ``memory.ranks[r].activation_bytes``; swapped to host (a per-tensor
+- peak saved-activation bytes on the device: ``memory.ranks[r].activation_bytes`` plus its backward working set
+  (``working_set_bytes``: re-made, fetched back and prefetched tensors, which the meter counts); swapped to host (a per-tensor
   plan): per chunk, its layers' swapped bytes (``memory.ranks[r].decisions``) times the micro-batches the action
   list keeps in flight, at the fullest point (:func:`predicted_host_bytes`).
+
+- model states on the device (rows ``ppN params``, ``ppN grads``, ``ppN optimizer``): ``memory.ranks[r]``'s
+  ``params_bytes``, ``grads_bytes`` and ``optimizer_bytes`` against the runtime's meter (``RankStep.params_bytes``
+  etc., moeplan.runtime.metrics.model_state_bytes; measured None for metrics written before the fields). The
+  runtime keeps fp32 parameters, fp32 ``.grad`` tensors, an fp32 master shard and fp32 moments whatever the plan's
+  precision, so each term is scaled by the runtime's bytes per parameter over the plan's
+  (:func:`_state_scales`; 1 for an fp32 plan on the ``cpu`` target).
 
 Byte figures of the plan are in its target's training dtype (``Target.training_dtype``: fp32 for a calibrated cpu
 target, bf16 for accelerators and plans written before the field existed); the runtime trains in fp32, so predicted
@@ -112,6 +120,26 @@ def _byte_scale(plan: Plan) -> float:
     return RUNTIME_BYTES / plan.target.dtype_bytes
 
 
+STATE_ROWS = (("params", "params_bytes"), ("grads", "grads_bytes"), ("optimizer", "optimizer_bytes"))
+"""The model-state rows per PP rank: (row name, field of PlanRankMemory and of RankStep)."""
+
+
+def _state_scales(plan: Plan) -> tuple[float, float, float]:
+    """Runtime bytes per plan byte of (params, grads, optimizer): the runtime's bytes per parameter (fp32
+    weights and ``.grad``, an fp32 master clone and fp32 moments: ``state_bytes_per_param(4, fp32, always_master)``)
+    over the plan's (its target's training dtype, ``memory.precision``, ``target.runtime.master_copy``). Sharding
+    is the plan's."""
+    from moeplan.cost_models.memory import state_bytes_per_param
+    from moeplan.state import Precision
+
+    pr = plan.memory.precision
+    planned = state_bytes_per_param(plan.target.dtype_bytes, Precision(
+        grad_dtype=pr.grad_dtype, main_params_dtype=pr.main_params_dtype, moments_dtype=pr.moments_dtype,
+        distributed_optimizer=pr.distributed_optimizer), plan.target.runtime.master_copy == "always")
+    runtime = state_bytes_per_param(RUNTIME_BYTES, Precision(), True)
+    return tuple(r / p if p else 1.0 for r, p in zip(runtime, planned))
+
+
 def _rank_layers(plan: Plan, pp_rank: int) -> list[str]:
     return [n for chunk in plan.stages.chunks[pp_rank] for n in chunk]
 
@@ -171,6 +199,14 @@ def measured_rank(timed: list[StepRecord], metered: list[StepRecord], pp_rank: i
     for key, value in _median_rank(metered, pp_rank).items():
         if key in ("peak_saved_bytes", "peak_host_bytes") or (key.startswith("comm:") and key[5:] in IN_LAYER):
             out[key] = value
+    for _, key in STATE_ROWS:  # measured at every step (after its optimizer step); absent in older metrics
+        values = []
+        for rec in timed + metered:
+            ranks = [r for r in rec.ranks if r.pp_rank == pp_rank]
+            if ranks and all(getattr(r, key) >= 0 for r in ranks):
+                values.append(sum(getattr(r, key) for r in ranks) / len(ranks))
+        if values:
+            out[key] = statistics.median(values)
     return out
 
 
@@ -223,10 +259,14 @@ def compare(plan: Plan, records: list[StepRecord], *, first_step: int = 5) -> li
                 rows.append(Row(f"{tag} bytes {ROW_NAMES.get(cls, cls)}", "bytes", pred.get(f"bytes:{cls}"),
                                 meas.get(f"bytes:{cls}", 0.0)))
         rows.append(Row(f"{tag} peak saved activations", "bytes",
-                        plan.memory.ranks[pp_rank].activation_bytes * _byte_scale(plan),
+                        (plan.memory.ranks[pp_rank].activation_bytes + plan.memory.ranks[pp_rank].working_set_bytes)
+                        * _byte_scale(plan),
                         meas.get("peak_saved_bytes", 0.0)))
         rows.append(Row(f"{tag} peak swapped activations (host)", "bytes",
                         predicted_host_bytes(plan, pp_rank) * _byte_scale(plan), meas.get("peak_host_bytes", 0.0)))
+        for (name, key), scale in zip(STATE_ROWS, _state_scales(plan)):
+            rows.append(Row(f"{tag} {name}", "bytes", getattr(plan.memory.ranks[pp_rank], key) * scale,
+                            meas.get(key)))
     return [r for r in rows if r.measured or r.predicted]
 
 
@@ -301,7 +341,7 @@ def predicted_host_bytes(plan: Plan, pp_rank: int) -> float:
     """Bytes a per-tensor plan keeps swapped to host on one device of PP rank ``pp_rank`` at the fullest in-flight
     point of its action list (0 for a plan without swaps): per chunk, its layers' swapped bytes times the
     micro-batches in flight."""
-    from moeplan.passes.plan_memory import in_flight_vectors
+    from moeplan.cost_models.memory import in_flight_vectors
     from moeplan.runtime.build import stage_ids
 
     rank, chunks = plan.memory.ranks[pp_rank], plan.stages.chunks[pp_rank]

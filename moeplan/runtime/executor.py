@@ -51,6 +51,8 @@ import contextlib
 import functools
 import threading
 import time
+import traceback
+import weakref
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Callable, Literal, Mapping, Sequence
@@ -60,6 +62,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from moeplan.cost_models.timeline import Action, parse_action
@@ -200,19 +204,76 @@ class _AttentionScope(TorchFunctionMode):
             self._local.depth -= 1
 
 
-class _ReleaseOnExit:
-    """Wraps the recompute context of a selective region: when the region has been recomputed (in backward), the
-    outputs the policy kept are released from the meter."""
+_STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 
-    def __init__(self, inner, meter: SavedActivationMeter, record: list[int]) -> None:
-        self.inner, self.meter, self.record = inner, meter, record
 
-    def __enter__(self):
-        return self.inner.__enter__()
+class _Remade(TorchDispatchMode):
+    """The recompute of a whole-layer checkpoint region in backward, for the meter: notes (weakly) every storage
+    an op creates; when the recompute ends, the ones still alive are what autograd keeps for the layer's backward
+    — the working set the plan charges (``memory.ranks[r].working_set_bytes``) — and the meter counts each of them
+    until autograd frees it (:meth:`SavedActivationMeter.hold`). Transients that died during the recompute are not
+    counted. Entered inside a selective policy's recompute context, so it sees the outputs that context serves from
+    its cache too."""
+
+    def __init__(self, meter: SavedActivationMeter) -> None:
+        super().__init__()
+        self.meter = meter
+        self._made: list[weakref.ref] = []  # not keyed by address: a freed transient's address is reused
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(t, torch.Tensor) and not t.is_meta]
+        if outs:  # new storages only: a view or in-place output is its input's (made before, or noted already)
+            given = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                     if isinstance(t, torch.Tensor) and not t.is_meta}
+            self._made += [weakref.ref(t.untyped_storage()) for t in outs
+                           if t.untyped_storage().data_ptr() not in given]
+        return out
 
     def __exit__(self, *exc):
-        self.meter.drop(self.record)
-        return self.inner.__exit__(*exc)
+        made, self._made = self._made, []
+        if exc[0] is not None and issubclass(exc[0], _STOP_RECOMPUTATION):
+            # checkpoint stopped the recompute after its last saved tensor (early stop) and swallows the exception;
+            # the traceback keeps the stopped forward's locals (transients) alive until then: drop them first
+            traceback.clear_frames(exc[2])
+        try:
+            return super().__exit__(*exc)
+        finally:
+            alive = {s.data_ptr(): s for s in (ref() for ref in made) if s is not None}
+            for storage in alive.values():
+                self.meter.hold(storage)
+
+
+class _MeterRecompute:
+    """A whole-layer region's recompute context: ``inner`` (the selective policy's, or none under ``full``) with
+    :class:`_Remade` inside it; when the recompute ends, the outputs the policy kept are released from the meter
+    (``record``) after :class:`_Remade` has counted those autograd still holds."""
+
+    def __init__(self, meter: SavedActivationMeter, inner=None, record: list[int] | None = None) -> None:
+        self.meter, self.inner, self.record = meter, inner, record
+        self.remade = _Remade(meter)
+
+    def __enter__(self):
+        if self.inner is not None:
+            self.inner.__enter__()
+        self.remade.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.remade.__exit__(*exc)
+        finally:
+            if self.record is not None:
+                self.meter.drop(self.record)
+            if self.inner is not None:
+                self.inner.__exit__(*exc)
+        return False
+
+
+def _full_contexts(meter: SavedActivationMeter):
+    return contextlib.nullcontext(), _MeterRecompute(meter)
 
 
 def _selective_contexts(meter: SavedActivationMeter, scope: _AttentionScope):
@@ -227,7 +288,7 @@ def _selective_contexts(meter: SavedActivationMeter, scope: _AttentionScope):
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     forward, recompute = create_selective_checkpoint_contexts(policy)
-    return forward, _ReleaseOnExit(recompute, meter, record)
+    return forward, _MeterRecompute(meter, recompute, record)
 
 
 def layer_calls(plan: Plan, pp_rank: int, meter: SavedActivationMeter, modules: Mapping[int, nn.ModuleDict],
@@ -248,12 +309,13 @@ def recompute_call(mode: Literal["none", "selective", "full"], meter: SavedActiv
         return _plain
     scope = _AttentionScope()
     context_fn = functools.partial(_selective_contexts, meter, scope)
+    full_contexts = functools.partial(_full_contexts, meter)
 
     def call(name: str, fn: Callable[..., torch.Tensor], args: tuple) -> torch.Tensor:
         if name == "embedding" or name.startswith("empty."):
             return fn(*args)
         if mode == "full":
-            return checkpoint(fn, *args, use_reentrant=False)
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=full_contexts)
         with scope:
             return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
 

@@ -5,7 +5,9 @@ class, and the JSON line each step writes.
   ``torch.autograd.graph.saved_tensors_hooks``: parameters (and views of them) are skipped, tensors sharing a
   storage are counted once (the storage's bytes), and a tensor is live from its pack until autograd drops it. Under
   ``torch.utils.checkpoint`` the outer hooks see only the region's inputs, so the selective-checkpoint policy adds
-  the outputs it keeps with :meth:`SavedActivationMeter.keep` (released when the region is recomputed).
+  the outputs it keeps with :meth:`SavedActivationMeter.keep`, and the recompute of a whole-layer region counts what
+  it re-made and autograd still holds when it ends with :meth:`SavedActivationMeter.hold` (the layer's backward
+  working set, released as autograd frees it).
 - :class:`CommMeter` is a ``TorchDispatchMode`` active during F and B: it sees every ``c10d`` /
   ``_c10d_functional`` op the layers issue (TP/SP, EP dispatch/combine, CP), classifies it by its process group
   and adds the op's wall time until completion (it waits on the op's ``Work``, which the synchronous
@@ -13,6 +15,11 @@ class, and the JSON line each step writes.
   few microseconds, so it runs only on metered steps and only on ranks with in-layer groups. The bytes of the
   in-layer collectives come from the layers' own tally (moeplan.runtime.parallel.CommLog, every step); the
   runtime's p2p and optimizer traffic is recorded directly with :meth:`CommTotals.add`.
+- :func:`model_state_bytes` counts the model states a rank holds (``params_bytes``, ``grads_bytes``,
+  ``optimizer_bytes`` of :class:`RankStep`): the storages of its parameters, of their gradients (the ``.grad``
+  tensors and the optimizer's flat gradient shards) and of the optimizer's persistent state (master shards, Adam
+  moments and step counts, the norm-weight shards), each storage once, read right after the optimizer step, when
+  all of them exist. No allocator is asked, so it is the same on every backend.
 - How busy the machine was (for ``moeplan compare``'s warning): every :class:`RankStep` records its process's CPU
   seconds since the previous one (``time.process_time``, all threads), and every :class:`StepRecord` the machine's
   CPU accounting since the previous one (:class:`HostLoad`: busy and stolen CPU-seconds from ``/proc/stat``, the
@@ -24,6 +31,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Mapping
@@ -117,6 +125,16 @@ class SavedActivationMeter:
             self._release(ptr)
         record.clear()
 
+    def hold(self, storage: torch.UntypedStorage) -> None:
+        """Count ``storage`` as live until it is freed (a weak-reference finaliser releases it): what a whole-layer
+        checkpoint's recompute re-made and autograd keeps for the layer's backward (moeplan.runtime.executor).
+        Parameters and empty storages are skipped; a storage already counted gains a reference, not bytes."""
+        ptr = storage.data_ptr()
+        if ptr in self._param_storages or ptr == 0:
+            return
+        self._acquire(ptr, storage.nbytes())
+        weakref.finalize(storage, self._release, ptr)
+
     def keep_host(self, nbytes: int, record: list[int]) -> None:
         """Count ``nbytes`` swapped to host (moeplan.runtime.activations); ``record`` collects them for
         :meth:`drop_host`."""
@@ -127,6 +145,29 @@ class SavedActivationMeter:
     def drop_host(self, record: list[int]) -> None:
         self.host_live_bytes -= sum(record)
         record.clear()
+
+
+def model_state_bytes(params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor | None],
+                      optimizer: Iterable[torch.Tensor]) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes: the bytes of the distinct storages of each group of tensors, a
+    storage counted once over all three groups (in that order: an optimizer tensor that is a view of a parameter
+    counts as the parameter). ``None`` and empty tensors are skipped."""
+    seen: set[int] = set()
+
+    def count(tensors: Iterable[torch.Tensor | None]) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr == 0 or ptr in seen:
+                continue
+            seen.add(ptr)
+            total += storage.nbytes()
+        return total
+
+    return count(params), count(grads), count(optimizer)
 
 
 @dataclass
@@ -280,6 +321,14 @@ class RankStep:
     """Bytes this rank sent per comm class over each link tier, ``{cls: {"intra": n, "inter": n}}``: the in-layer
     collectives (tp, ep, cp) as moeplan.runtime.parallel.CommLog counts them (every step); empty in metrics written
     before the field."""
+    params_bytes: int = -1
+    """Bytes of this rank's parameters (:func:`model_state_bytes`, after the step's optimizer step); -1 where
+    unknown (metrics written before the field)."""
+    grads_bytes: int = -1
+    """Bytes of their gradients: the ``.grad`` tensors and the optimizer's flat gradient shards; -1 where unknown."""
+    optimizer_bytes: int = -1
+    """Bytes of the optimizer's persistent state: master shards, Adam moments and step counts, norm-weight shards;
+    -1 where unknown."""
 
     def busy_s(self, comm_class: str) -> float:
         """Seconds ``comm_class``'s collectives were in flight this step."""
@@ -287,6 +336,8 @@ class RankStep:
 
 
 TIERS = ("intra", "inter")
+STATE_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes")
+"""The model-state fields of :class:`RankStep` (and of a rank's JSON object, absent where unknown)."""
 ACTION_KINDS = ("F", "B", "I", "W", "OVERLAP_F_B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_WAIT", "OPTIMIZER")
 
 
@@ -299,6 +350,7 @@ def rank_step_vector(step: RankStep) -> torch.Tensor:
     values += [float(step.comm_bytes.get(c, 0)) for c in COMM_CLASSES]
     values += [step.busy_s(c) for c in COMM_CLASSES]
     values += [float(step.comm_tier_bytes.get(c, {}).get(t, 0)) for c in COMM_CLASSES for t in TIERS]
+    values += [float(step.params_bytes), float(step.grads_bytes), float(step.optimizer_bytes)]
     return torch.tensor(values, dtype=torch.float64)
 
 
@@ -309,7 +361,9 @@ def rank_step_from_vector(v: torch.Tensor) -> RankStep:
     d = b + len(COMM_CLASSES)
     e = d + len(COMM_CLASSES)
     tiers = [vals[e + i * len(TIERS):e + (i + 1) * len(TIERS)] for i in range(len(COMM_CLASSES))]
+    f = e + len(COMM_CLASSES) * len(TIERS)
     return RankStep(rank=int(vals[0]), pp_rank=int(vals[1]), peak_saved_bytes=int(vals[2]),
+                    params_bytes=int(vals[f]), grads_bytes=int(vals[f + 1]), optimizer_bytes=int(vals[f + 2]),
                     peak_host_bytes=int(vals[3]), cpu_s=vals[4],
                     action_s={k: x for k, x in zip(ACTION_KINDS, vals[a:c]) if x},
                     comm_s={k: x for k, x in zip(COMM_CLASSES, vals[c:b]) if x},
@@ -346,7 +400,8 @@ class StepRecord:
                        "comm_bytes": dict(r.comm_bytes), "comm_busy_s": dict(r.comm_busy_s),
                        "comm_tier_bytes": {k: dict(v) for k, v in r.comm_tier_bytes.items()},
                        "peak_saved_bytes": r.peak_saved_bytes if r.peak_saved_bytes >= 0 else None,
-                       "peak_host_bytes": r.peak_host_bytes, "cpu_s": r.cpu_s}
+                       "peak_host_bytes": r.peak_host_bytes, "cpu_s": r.cpu_s,
+                       **{k: getattr(r, k) for k in STATE_FIELDS if getattr(r, k) >= 0}}
                       for r in self.ranks]})
 
     @staticmethod
@@ -356,7 +411,8 @@ class StepRecord:
                                comm_bytes=r["comm_bytes"],
                                peak_saved_bytes=-1 if r["peak_saved_bytes"] is None else r["peak_saved_bytes"],
                                peak_host_bytes=r.get("peak_host_bytes", 0), cpu_s=r.get("cpu_s", -1.0),
-                               comm_busy_s=r.get("comm_busy_s", {}), comm_tier_bytes=r.get("comm_tier_bytes", {}))
+                               comm_busy_s=r.get("comm_busy_s", {}), comm_tier_bytes=r.get("comm_tier_bytes", {}),
+                               **{k: r.get(k, -1) for k in STATE_FIELDS})
                       for r in d["ranks"])
         host = d.get("host")
         return StepRecord(step=d["step"], loss=d["loss"], step_time_s=d["step_time_s"],

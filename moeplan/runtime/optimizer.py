@@ -274,6 +274,15 @@ class DistributedAdamW:
                 out[f"{key}.{name}"] = value
         return out
 
+    def state_storages(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """For the model-state meter (moeplan.runtime.metrics.model_state_bytes): (the flat gradient shards it keeps
+        beside the parameters' ``.grad``, every other tensor it keeps from step to step: master shards, norm-weight
+        shards, AdamW's moments and step counts). Reads only."""
+        grads = [b.grad for b in self.buffers.values()]
+        state = [b.master for b in self.buffers.values()] + [b.norm_weight for b in self.buffers.values()]
+        state += [v for s in self.adamw.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return grads, state
+
     def sync_params(self) -> None:
         """Copy the (restored) master shards back into the parameters of every rank."""
         for b in self.buffers.values():

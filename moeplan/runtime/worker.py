@@ -65,8 +65,8 @@ from moeplan.runtime.executor import PipelineExecutor, has_pairs, layer_calls, r
 from moeplan.runtime.groups import ParallelGroups, RankCoords, make_groups, make_stream_groups
 from moeplan.runtime.overlap import PairRunner
 from moeplan.runtime.launch import DIST_BACKEND, RunRequest, check_runnable, pin_to_cpu
-from moeplan.runtime.metrics import (CommTotals, RankStep, SavedActivationMeter, StepRecord, rank_step_from_vector,
-                                     rank_step_vector)
+from moeplan.runtime.metrics import (CommTotals, RankStep, SavedActivationMeter, StepRecord, model_state_bytes,
+                                     rank_step_from_vector, rank_step_vector)
 from moeplan.runtime.parallel import CommLog, all_gather_flat
 from moeplan.runtime.optimizer import (DistributedAdamW, OptimConfig, ReplicatedGrads, TiedGrads, param_entries,
                                        synced_after_backward)
@@ -172,9 +172,12 @@ def run_one_step(plan: Plan, setup: RankSetup, tokens: torch.Tensor, step: int, 
     setup.replicated.sync()
     setup.ties.sync()
     norm = setup.optimizer.step()
+    t2 = time.perf_counter()
+    states = measure_model_states(setup)  # every state exists now: .grad, shards, moments (before zero_grad)
+    metering_s = time.perf_counter() - t2  # kept out of the step's times
     setup.optimizer.zero_grad()
-    times["OPTIMIZER"] += time.perf_counter() - t1
-    step_s = time.perf_counter() - t0
+    times["OPTIMIZER"] += time.perf_counter() - t1 - metering_s
+    step_s = time.perf_counter() - t0 - metering_s
     for cls, nbytes in setup.layer_log.bytes_by_class().items():
         setup.comm.add(cls, 0.0, nbytes)
     last = rank_of(plan, lay.pp * lay.vpp - 1)  # the PP rank of the last stage (rank 0 under the V placement)
@@ -182,7 +185,8 @@ def run_one_step(plan: Plan, setup: RankSetup, tokens: torch.Tensor, step: int, 
     mine = RankStep(rank=coords.rank, pp_rank=coords.pp_rank, action_s=dict(times), comm_s=dict(setup.comm.seconds),
                     comm_busy_s=dict(setup.comm.busy), comm_tier_bytes=setup.layer_log.tier_bytes_by_class(),
                     comm_bytes=dict(setup.comm.nbytes), peak_saved_bytes=setup.meter.peak_bytes if metered else -1,
-                    peak_host_bytes=setup.meter.host_peak_bytes)
+                    peak_host_bytes=setup.meter.host_peak_bytes, params_bytes=states[0], grads_bytes=states[1],
+                    optimizer_bytes=states[2])
     extra = torch.tensor([loss_sum / lay.num_microbatches / lay.dp if counts else 0.0, step_s], dtype=torch.float64)
     vec = torch.cat([rank_step_vector(mine), extra]).to(_comm_device(plan))
     gathered = torch.empty(dist.get_world_size() * vec.numel(), dtype=vec.dtype, device=vec.device)
@@ -192,6 +196,15 @@ def run_one_step(plan: Plan, setup: RankSetup, tokens: torch.Tensor, step: int, 
     return StepRecord(step=step + 1, loss=float(rows[:, -2].sum()), step_time_s=step_time,
                       tokens_per_s=lay.global_batch * lay.seq_len / step_time, grad_norm=norm,
                       ranks=tuple(rank_step_from_vector(r[:-2]) for r in rows))
+
+
+def measure_model_states(setup: RankSetup) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes this rank holds (moeplan.runtime.metrics.model_state_bytes): every
+    parameter of its stages; their ``.grad`` tensors and the optimizer's flat gradient shards; the optimizer's
+    persistent state. Each storage once. Call after the optimizer step, before ``zero_grad``."""
+    params = {id(p): p for layers in setup.modules.values() for p in layers.parameters()}.values()
+    grad_shards, state = setup.optimizer.state_storages()
+    return model_state_bytes(params, [*(p.grad for p in params), *grad_shards], state)
 
 
 def _comm_device(plan: Plan) -> torch.device:
