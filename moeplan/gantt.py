@@ -23,8 +23,8 @@ carried tail shows under the next action with its own part's name. ``args.part_e
 Memory: every term of the plan's memory that does not move during the step (model states, workspace,
 communication buffers, the runtime's bytes) plus the saved activations of the micro-batches in flight
 (``StageProgram.activation_bytes`` per stage and micro-batch, added when a forward starts and freed when its B, or
-W when split, ends: the simulator's rule) plus the backward working set the plan reserves on top, the allocated
-transient bytes grown by the allocator's share (cost_models/memory.py). Its peak equals the plan's ``total_bytes`` when the
+W when split, ends: the simulator's rule) plus the backward working set the plan reserves on top, the transient
+bytes grown by the allocator's share (cost_models/memory.py). Its peak equals the plan's ``total_bytes`` when the
 timed order of forwards and frees matches the action order that ``peak_live_bytes`` walks.
 """
 from __future__ import annotations
@@ -69,9 +69,10 @@ class Slice(NamedTuple):
 @dataclass(frozen=True)
 class MemoryCurve:
     """One PP rank's device memory over the step, a step function: ``bytes_at[i]`` bytes from ``times_s[i]`` on.
-    ``static_bytes``: the terms that do not move during the step (model states, workspace, communication buffers,
-    runtime; with the allocator's share); ``working_set_bytes``: the backward working set reserved on top (with the
-    allocator's share); ``plan_total_bytes``: the plan's predicted peak of the rank (``memory.ranks[r].total_bytes``)."""
+    ``static_bytes``: the terms that do not move during the step (model states, workspace, FSDP's gathered copies,
+    communication buffers, runtime; with the allocator's share); ``working_set_bytes``: the backward working set
+    reserved on top (with the allocator's share); ``plan_total_bytes``: the plan's predicted peak of the rank
+    (``memory.ranks[r].total_bytes``)."""
 
     times_s: tuple[float, ...]
     bytes_at: tuple[float, ...]

@@ -41,8 +41,8 @@ class Precision:
       ``--use-distributed-optimizer``; on by default, as in Megatron-LM's MoE recipes), else held whole by every
       replica;
     - ``fp8_activation_input``: under FP8 training, the SwiGLU keeps its input (the gate/up output) in FP8
-      (Megatron-LM ``TransformerConfig.activation_func_fp8_input_store``; DeepSeek-V3 arXiv 2412.19437 §3.3.3 caches "the inputs
-      of the SwiGLU operator" in FP8).
+      (Megatron-LM ``TransformerConfig.activation_func_fp8_input_store``; DeepSeek-V3 arXiv 2412.19437 §3.3.3
+      caches "the inputs of the SwiGLU operator" in FP8).
     """
 
     grad_dtype: GradDtype = "fp32"

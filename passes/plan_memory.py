@@ -22,7 +22,7 @@ mode) does not fit; PlanError for a budget above the device's memory.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, Sequence
+from typing import ClassVar
 
 from moeplan.cost_models.memory import (GIB, MODES, Overheads, budget_bytes, device_memory, fsdp_gathered_bytes,
                                         in_flight_vectors, overheads, rank_model_states, with_overheads)

@@ -275,25 +275,6 @@ def _in_flight_by_rank(kind: ScheduleKind, pp: int, vpp: int, m: int, fb: bool
     return tuple(out)
 
 
-def in_flight_bound(kind: ScheduleKind, *, pp: int, vpp: int, num_microbatches: int, fb: bool = False) -> int:
-    """The most (stage, micro-batch) pairs any rank holds activations for under schedule ``kind`` (what
-    :func:`max_in_flight` walks from the actions, in closed form for the layout search): 1F1B ``pp``; interleaved
-    rank 0's warm-up ``2(pp − 1) + (vpp − 1)·pp`` forwards plus the one it runs before its first backward
-    (Megatron-LM ``get_num_warmup_microbatches``); torch's interleaved zero-bubble and ZB-V ``pp·vpp``; DualPipeV
-    ``2·pp + 1``; at most every chunk of every micro-batch, and one more with ``fb`` pairs on the schedules
-    that add a warm-up forward for them (tests/test_schedule.py checks it against the built lists)."""
-    m = num_microbatches
-    if kind == "1f1b":
-        n = min(pp, m)
-    elif kind == "interleaved":
-        n = min(2 * (pp - 1) + (vpp - 1) * pp + 1, m * vpp)
-    elif kind == "dualpipev":
-        n = min(2 * pp + 1, m * vpp)
-    else:
-        n = min(pp * vpp, m * vpp)
-    return n + (1 if fb and kind in ("1f1b", "interleaved") else 0)
-
-
 @dataclass(frozen=True)
 class SchedulePass:
     """Build the per-rank action lists of the strategy's schedule on the stage plan's placement."""

@@ -9,8 +9,10 @@ PP group's action lists with the strategy's overlap mechanisms, the target's com
 communication and its host launch costs.
 
 Data parallelism (the distributed optimizer, ZeRO-1): per PP rank and chunk, a reduce-scatter of the gradients (in
-the recipe's gradient dtype, ``Precision.grad_dtype``) and an all-gather of the parameters (the training dtype), dense parameters over dp·cp ranks (stride tp) and routed experts over
-expert-DP (stride tp·ep). Without mechanism ``dp`` they run after the rank's last backward, exposed. With ``dp``
+the recipe's gradient dtype, ``Precision.grad_dtype``) and an all-gather of the parameters (the training dtype),
+dense parameters over dp·cp ranks (stride tp) and routed experts over expert-DP (stride tp·ep); under FSDP each
+layer reduces its own gradients (cost_models/layer_program.py ``with_fsdp``) and only HSDP's replicas all-reduce
+their shards here. Without mechanism ``dp`` they run after the rank's last backward, exposed. With ``dp``
 (Megatron-LM ``--overlap-grad-reduce --overlap-param-gather``) a chunk's reduce-scatter starts when its last
 backward ends and the all-gathers start with the step (gathering the next step's parameters while forwards run);
 both use only the time their link tier is idle (the in-layer and p2p transfers go first), so what does not fit
@@ -300,7 +302,8 @@ def optimizer_s(state: PlanState, rank: int) -> float:
     lcs = [state.sharding.layer_costs[kind_of(spec, n)] for n in names]
     dense = sum(c.params - c.expert_params for c in lcs)
     expert = sum(c.expert_params for c in lcs)
-    return norm_s(lay.world_size, tgt) + adam_s(owned_params(lay, dense, expert), tgt) + _optimizer_launch_s(state, names)
+    return (norm_s(lay.world_size, tgt) + adam_s(owned_params(lay, dense, expert), tgt)
+            + _optimizer_launch_s(state, names))
 
 
 def owned_params(layout: Layout, dense: float, expert: float) -> float:

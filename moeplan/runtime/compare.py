@@ -19,9 +19,9 @@ recompute mode per PP rank) and the schedule (number of micro-batches and sends)
   (rows named ``grad sync``; predicted when the experts reduce over the same group as the dense parameters, ep = 1)
   the runtime's fp32 reduce-scatter input and all-gather shard of the rank's parameters, ``4·P·(1 + 1/(dp·cp))``;
 - peak saved-activation bytes on the device: ``memory.ranks[r].activation_bytes`` plus its backward working set
-  (``working_set_bytes``: re-made, fetched back and prefetched tensors, which the meter counts); swapped to host (a per-tensor
-  plan): per chunk, its layers' swapped bytes (``memory.ranks[r].decisions``) times the micro-batches the action
-  list keeps in flight, at the fullest point (:func:`predicted_host_bytes`).
+  (``working_set_bytes``: re-made, fetched back and prefetched tensors, which the meter counts); swapped to host (a
+  per-tensor plan): per chunk, its layers' swapped bytes (``memory.ranks[r].decisions``) times the micro-batches
+  the action list keeps in flight, at the fullest point (:func:`predicted_host_bytes`).
 
 - model states on the device (rows ``ppN params``, ``ppN grads``, ``ppN optimizer``): ``memory.ranks[r]``'s
   ``params_bytes``, ``grads_bytes`` and ``optimizer_bytes`` against the runtime's meter (``RankStep.params_bytes``
