@@ -498,22 +498,21 @@ def fsdp_collectives(*, dense_params: float, expert_params: float, layout: Layou
     return tuple(gathers), tuple(scatters)
 
 
-def with_fsdp(prog: LayerProgram, gathers: Sequence[CommOp], scatters: Sequence[CommOp], *,
-              regather: bool) -> LayerProgram:
-    """``prog`` with FSDP's collectives: the weights' all-gathers issued before the forward and (``regather``: the
-    weights were freed after the forward) before the input-gradient pass, the gradients' reduce-scatters after the
-    backward. FSDP2 runs them on their own streams and prefetches the next layer's gather while this one computes
-    (``async_by="native"``: the compute stream does not wait for them, they hold their link tier)."""
+def with_fsdp(prog: LayerProgram, gathers: Sequence[CommOp], scatters: Sequence[CommOp]) -> LayerProgram:
+    """``prog`` with FSDP's per-micro-batch collectives (memory.py ``fsdp_reshards``): the weights' all-gathers
+    issued before the forward and again before the input-gradient pass (the weights were freed after the forward),
+    the gradients' reduce-scatters after the backward. FSDP2 runs them on their own streams and prefetches the next
+    layer's gather while this one computes (``async_by="native"``: the compute stream does not wait for them, they
+    hold their link tier)."""
     if not gathers and not scatters:
         return prog
 
-    def prepend(segs: tuple[Segment, ...], ops: Sequence[CommOp], phase: str) -> tuple[Segment, ...]:
+    def prepend(segs: tuple[Segment, ...], phase: str) -> tuple[Segment, ...]:
         head = tuple(Segment(f"fsdp_gather_{i}", "comm", c.time_s, comm=replace(c, phase=phase), kernels=1,
-                             async_by="native") for i, c in enumerate(ops))
+                             async_by="native") for i, c in enumerate(gathers))
         return head + tuple(replace(s, after=tuple(a + len(head) for a in s.after)) for s in segs)
 
-    fwd = prepend(prog.fwd, gathers, "fwd")
-    bwd = prepend(prog.bwd_input, gathers, "bwd") if regather else prog.bwd_input
+    fwd, bwd = prepend(prog.fwd, "fwd"), prepend(prog.bwd_input, "bwd")
     shift = len(bwd) - len(prog.bwd_input)
     weight = tuple(replace(s, after=tuple(a + shift for a in s.after)) for s in prog.bwd_weight)
     last = (len(bwd) - 1,) if bwd else ()

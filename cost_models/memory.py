@@ -269,22 +269,30 @@ def fsdp_state_bytes(*, dense_params: float, expert_params: float, layout: Layou
 
 
 def fsdp_reshards(layout: Layout) -> bool:
-    """Whether FSDP frees a layer's gathered weights after its forward and gathers them again for its backward:
-    torchtitan's default, except under pipeline parallelism, whose micro-batches would gather them again and again
-    ("For PP, do not reshard after forward", torchtitan ``parallelize_llama.py``)."""
+    """Whether FSDP gathers and reduces each layer's weights inside every micro-batch — frees the gathered weights
+    after the forward, gathers them again for the backward and reduce-scatters the gradients after it (torchtitan's
+    default without PP). Under pipeline parallelism it does neither: torchtitan does not reshard after forward ("For
+    PP, do not reshard after forward", ``parallelize_llama.py``) and torch.distributed.pipelining runs every stage
+    backward without gradient sync and without resharding (``PipelineStage.backward_maybe_with_nosync``:
+    ``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)``), reduce-scattering once after the
+    last micro-batch (``perform_reduce_grad``): once per step, as ZeRO-1 does (passes/simulate.py
+    ``step_sync_groups``)."""
     return layout.pp == 1
 
 
 def fsdp_gathered_bytes(layers: Sequence[LayerCost], layout: Layout, precision: Precision, target: Target) -> float:
-    """Bytes of FSDP's unsharded copies on one device at its fullest point: with resharding the layer running and
-    the next one prefetched (two layers' weights in the training dtype), else every weight of the rank's stages
-    (gathered at their first forward, freed after their last backward); plus one layer's unsharded gradients before
-    their reduce-scatter. 0 without FSDP."""
+    """Bytes of FSDP's unsharded copies on one device at its fullest point. Resharding per micro-batch
+    (:func:`fsdp_reshards`): the layer running and the next one prefetched (two layers' weights in the training
+    dtype) plus one layer's unsharded gradients before their reduce-scatter. Under PP: every weight of the rank's
+    stages (gathered at their first forward, freed after the reduce-scatter) and their unsharded gradients,
+    accumulated over the step's micro-batches (torch FSDP2 accumulates them in the reduce dtype, taken here as the
+    recipe's ``grad_dtype``). 0 without FSDP."""
     if layout.dp_shard <= 1 or not layers:
         return 0.0
     per_layer = sorted((lc.params for lc in layers), reverse=True)
-    held = sum(per_layer[:2]) if fsdp_reshards(layout) else sum(per_layer)
-    return held * target.dtype_bytes + per_layer[0] * DTYPE_BYTES[precision.grad_dtype]
+    if fsdp_reshards(layout):
+        return sum(per_layer[:2]) * target.dtype_bytes + per_layer[0] * DTYPE_BYTES[precision.grad_dtype]
+    return sum(per_layer) * (target.dtype_bytes + DTYPE_BYTES[precision.grad_dtype])
 
 
 def rank_model_states(layers: Sequence[LayerCost], layout: Layout, precision: Precision, target: Target

@@ -22,8 +22,8 @@ from moeplan.layout import Layout
 from moeplan.passes.partition_stages import SLOT_KINDS, piece_time_s, split_runs
 from moeplan.passes.schedule import FB_PAIRED, Placement, in_flight_by_rank, placement_of, stage_of, stage_rank
 from moeplan.passes.shard import layer_cost
-from moeplan.passes.simulate import (replica_reductions, adam_s, beside_compute, dp_sync_s, owned_params,
-                                     recompute_work)
+from moeplan.passes.simulate import (adam_s, beside_compute, dp_sync_s, owned_params, recompute_work,
+                                     replica_reductions, step_sync_groups)
 from moeplan.state import Dispatcher, LayerCost, LayerProgram, Precision, ScheduleKind, StageMemory, Strategy
 from moeplan.targets import Target
 
@@ -294,10 +294,10 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
     overlap_dp = "dp" in strategy.overlap
     grad_bytes = state_bytes_per_param(target.dtype_bytes, strategy.precision)[1]
     rs_chunk, taken = 0.0, 0.0
-    if layout.dp_shard > 1:  # FSDP reduces in each layer's backward; replicas all-reduce their shards after it
+    if layout.dp_shard > 1:  # HSDP's replicas all-reduce their shards after the reduce-scatters
         tail += sum(o.time_s for o in replica_reductions(layout, target, 0, dense, expert, grad_bytes))
-    for n, group, stride in ((dense, layout.dp * layout.cp, layout.tp), (expert, layout.expert_dp, layout.tp * layout.ep)):
-        if n and group > 1 and layout.dp_shard == 1:
+    for n, (group, stride) in zip((dense, expert), step_sync_groups(layout)):
+        if n and group > 1:
             rs, ag, tier = dp_sync_s(n / vpp if overlap_dp else n, group=group, stride=stride, target=target,
                                      grad_bytes=grad_bytes)
             if overlap_dp:

@@ -132,16 +132,15 @@ def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Targe
     dense = lg.param_count - lg.expert_param_count + lg.shared_param_count
     steps = forward_steps(lg, spec=spec, layout=layout, target=target, dispatcher=dispatcher)
     prog, comm = program(steps, lambda op: times[op.name], bwd_extra_s=extra), layer_collectives(steps)
-    if layout.dp_shard > 1:
-        from moeplan.cost_models.memory import DTYPE_BYTES, fsdp_reshards
+    from moeplan.cost_models.memory import DTYPE_BYTES, fsdp_reshards
 
+    if layout.dp_shard > 1 and fsdp_reshards(layout):  # under PP, once per step (passes/simulate.py)
         gathers, scatters = fsdp_collectives(dense_params=dense / layout.tp,
                                              expert_params=lg.expert_param_count / (layout.ep * layout.tp),
                                              layout=layout, target=target,
                                              grad_bytes=DTYPE_BYTES[precision.grad_dtype])
-        regather = fsdp_reshards(layout)
-        prog = with_fsdp(prog, gathers, scatters, regather=regather)
-        comm += gathers + tuple(replace(g, phase="bwd") for g in gathers if regather) + scatters
+        prog = with_fsdp(prog, gathers, scatters)
+        comm += gathers + tuple(replace(g, phase="bwd") for g in gathers) + scatters
     return LayerCost(
         kind=lg.kind, fwd_s=fwd, bwd_input_s=dx, bwd_weight_s=dw, comm=comm, program=prog,
         params=int(dense / layout.tp + lg.expert_param_count / (layout.ep * layout.tp)),

@@ -10,9 +10,9 @@ communication and its host launch costs.
 
 Data parallelism (the distributed optimizer, ZeRO-1): per PP rank and chunk, a reduce-scatter of the gradients (in
 the recipe's gradient dtype, ``Precision.grad_dtype``) and an all-gather of the parameters (the training dtype),
-dense parameters over dp·cp ranks (stride tp) and routed experts over expert-DP (stride tp·ep); under FSDP each
-layer reduces its own gradients (cost_models/layer_program.py ``with_fsdp``) and only HSDP's replicas all-reduce
-their shards here. Without mechanism ``dp`` they run after the rank's last backward, exposed. With ``dp``
+dense parameters over dp·cp ranks (stride tp) and routed experts over expert-DP (stride tp·ep); under FSDP with PP
+the same once per step over the FSDP groups, without PP each layer reduces its own gradients in every micro-batch
+(cost_models/layer_program.py ``with_fsdp``); HSDP's replicas all-reduce their shards here. Without mechanism ``dp`` they run after the rank's last backward, exposed. With ``dp``
 (Megatron-LM ``--overlap-grad-reduce --overlap-param-gather``) a chunk's reduce-scatter starts when its last
 backward ends and the all-gathers start with the step (gathering the next step's parameters while forwards run);
 both use only the time their link tier is idle (the in-layer and p2p transfers go first), so what does not fit
@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar, Iterable, Mapping, Sequence
 
 from moeplan.cost_models.comm import collective_time_s, group_tier
-from moeplan.cost_models.memory import saved_bytes, state_bytes_per_param
+from moeplan.cost_models.memory import fsdp_reshards, saved_bytes, state_bytes_per_param
 from moeplan.cost_models.timeline import (RunSettings, StageProgram, Timeline, compact, concat_segments,
                                          overlap_rate_of, simulate)
 from moeplan.flops import flops_per_token
@@ -178,10 +178,7 @@ def dp_collectives(state: PlanState, rank: int) -> list[DpCollective]:
         lcs = [costs[kind_of(spec, x)] for x in names]
         dense = sum(x.params - x.expert_params for x in lcs)
         expert = sum(x.expert_params for x in lcs)
-        if lay.dp_shard > 1:  # FSDP reduces each layer's gradients in its backward; replicas (HSDP) all-reduce shards
-            out += replica_reductions(lay, tgt, stage, dense, expert, grad_bytes)
-            continue
-        for params, group, stride in ((dense, lay.dp * lay.cp, lay.tp), (expert, lay.expert_dp, lay.tp * lay.ep)):
+        for params, (group, stride) in zip((dense, expert), step_sync_groups(lay)):
             if params == 0 or group == 1:
                 continue
             rs, ag, tier = dp_sync_s(params, group=group, stride=stride, target=tgt, grad_bytes=grad_bytes)
@@ -190,7 +187,22 @@ def dp_collectives(state: PlanState, rank: int) -> list[DpCollective]:
                                       tier=tier, target=tgt)
             out.append(DpCollective("reduce_scatter", stage, rs, tier, params * grad_bytes * (group - 1) / group))
             out.append(DpCollective("all_gather", stage, ag, tier, params * param_bytes * (group - 1) / group, first))
+        if lay.dp_shard > 1:  # HSDP's replicas all-reduce their shards' gradients
+            out += replica_reductions(lay, tgt, stage, dense, expert, grad_bytes)
     return out
+
+
+def step_sync_groups(lay: Layout) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(group, stride) of the once-per-step gradient reduce-scatter and parameter all-gather, for the dense and
+    the routed-expert parameters: ZeRO-1 (the distributed optimizer) over dp·cp ranks ``tp`` apart and expert-DP
+    ranks ``tp·ep`` apart; FSDP under PP over its groups (cost_models/memory.py ``fsdp_reshards``: torch's pipeline
+    stages skip the per-micro-batch sync); FSDP without PP: groups of 1, each layer's collectives being in its
+    program (cost_models/layer_program.py ``with_fsdp``)."""
+    if lay.dp_shard == 1:
+        return (lay.dp * lay.cp, lay.tp), (lay.expert_dp, lay.tp * lay.ep)
+    if fsdp_reshards(lay):
+        return (1, lay.tp), (1, lay.tp * lay.ep)
+    return (lay.fsdp_group, lay.tp), (lay.expert_fsdp_group, lay.tp * lay.ep)
 
 
 def replica_reductions(lay: Layout, tgt: Target, stage: int, dense: float, expert: float,
@@ -382,18 +394,24 @@ class SimulatePass:
 def _comm_summary(tl: Timeline, dp: Sequence[Sequence[DpCollective]], exposure: Sequence[tuple[float, float]],
                   opt: Sequence[float], pp: int) -> dict[str, dict[str, float | None]]:
     """Per comm class, averaged over PP ranks: total and exposed seconds and overlap rate over the step and in the
-    steady state, and bytes per tier; ``dp`` from the DP collectives (exposed: what they add to the step)."""
+    steady state, and bytes per tier; ``dp`` from the DP collectives (exposed: what they add to the step) plus, under
+    FSDP, the per-layer gathers and reduce-scatters the timeline ran (class ``dp`` there too)."""
     out: dict[str, dict[str, float | None]] = {}
     for cls, s in tl.comm.items():
         out[cls] = {"total_s": s.total_s, "exposed_s": s.exposed_s, "overlap_rate": s.overlap_rate,
                     "steady_total_s": s.steady_total_s, "steady_exposed_s": s.steady_exposed_s,
                     "steady_overlap_rate": s.steady_overlap_rate, "intra_bytes": s.intra_bytes,
                     "inter_bytes": s.inter_bytes}
-    total = sum(o.time_s for ops in dp for o in ops) / pp
-    exposed = sum(a + b for a, b in exposure) / pp
+    layers = out.get("dp", {})  # FSDP's per-layer gathers and reduce-scatters, simulated in the timeline
+    total = sum(o.time_s for ops in dp for o in ops) / pp + (layers.get("total_s") or 0.0)
+    exposed = sum(a + b for a, b in exposure) / pp + (layers.get("exposed_s") or 0.0)
     out["dp"] = {"total_s": total, "exposed_s": exposed,
                  "overlap_rate": overlap_rate_of(exposed, total),
-                 "steady_total_s": 0.0, "steady_exposed_s": 0.0, "steady_overlap_rate": None,
-                 "intra_bytes": sum(o.wire_bytes for ops in dp for o in ops if o.tier == "intra") / pp,
-                 "inter_bytes": sum(o.wire_bytes for ops in dp for o in ops if o.tier == "inter") / pp}
+                 "steady_total_s": layers.get("steady_total_s") or 0.0,
+                 "steady_exposed_s": layers.get("steady_exposed_s") or 0.0,
+                 "steady_overlap_rate": layers.get("steady_overlap_rate"),
+                 "intra_bytes": sum(o.wire_bytes for ops in dp for o in ops if o.tier == "intra") / pp
+                 + (layers.get("intra_bytes") or 0.0),
+                 "inter_bytes": sum(o.wire_bytes for ops in dp for o in ops if o.tier == "inter") / pp
+                 + (layers.get("inter_bytes") or 0.0)}
     return out

@@ -17,6 +17,7 @@ from moeplan.estimate import estimate_memory, model_cost
 from moeplan.ir import LayerKind, named_layers
 from moeplan.layout import Layout
 from moeplan.passes.plan_memory import _tensors
+from moeplan.passes.simulate import dp_collectives, step_sync_groups
 from moeplan.plan import MEMORY_TERMS
 from moeplan.search import Fixed
 from moeplan.spec import load_spec
@@ -67,12 +68,35 @@ def test_fsdp_shards_every_state_and_gathers_two_layers_or_the_stage():
     layers = [costs[LayerKind.MOE]] * 3 + [costs[LayerKind.DENSE]]
     params = sorted((lc.params for lc in layers), reverse=True)
     assert fsdp_gathered_bytes(layers, lay, Precision(), h100) == (params[0] + params[1]) * 2 + params[0] * 4
-    piped = Layout(**{**lay.__dict__, "pp": 2, "dp": 4, "dp_shard": 4})  # under PP the stage stays gathered
-    assert fsdp_gathered_bytes(layers, piped, Precision(), h100) == sum(params) * 2 + params[0] * 4
+    pp2 = Layout(**{**lay.__dict__, "pp": 2, "dp": 4, "dp_shard": 4})  # under PP the stage stays gathered and
+    assert fsdp_gathered_bytes(layers, pp2, Precision(), h100) == sum(params) * (2 + 4)  # accumulates its grads
     moe = costs[LayerKind.MOE]  # each layer gathers before its forward and backward and reduce-scatters after
     kinds = Counter((c.kind, c.phase) for c in moe.comm if c.comm_class == "dp")
     assert kinds == {("all_gather", "fwd"): 2, ("all_gather", "bwd"): 2, ("reduce_scatter", "bwd"): 2}
     assert sum(s.name.startswith("fsdp_") for s in moe.program.fwd + moe.program.bwd_input) == 6
+
+
+def test_fsdp_under_pp_syncs_once_per_step_as_torch_pipelining_does():
+    """torch.distributed.pipelining runs every stage backward without gradient sync or resharding and
+    reduce-scatters after the last micro-batch: no per-layer FSDP collective, one reduce-scatter and one all-gather
+    per chunk over the FSDP groups, whatever the number of micro-batches."""
+    lay = Layout(tp=1, pp=2, vpp=1, ep=2, etp=1, cp=1, dp=4, micro_batch=1, global_batch=16, seq_len=64, dp_shard=4)
+    assert step_sync_groups(lay) == ((4, 1), (2, 2))
+    assert step_sync_groups(Layout(**{**lay.__dict__, "pp": 1, "dp": 8, "dp_shard": 8})) == ((1, 1), (1, 2))
+    assert step_sync_groups(Layout(**{**lay.__dict__, "dp_shard": 1})) == ((4, 1), (2, 2))  # ZeRO-1: expert-DP
+    out = {}
+    for gb in (16, 64):
+        layout = Layout(**{**lay.__dict__, "global_batch": gb})
+        state = run_pipeline(PlanState(graph=trace_model(TINY, seq_len=64), target=load_target("h100"),
+                                       layout=layout, strategy=Strategy()), parse_pipeline(DEFAULT_PIPELINE))[0]
+        costs = state.sharding.layer_costs.values()
+        assert not any(c.comm_class == "dp" for lc in costs for c in lc.comm)
+        assert not any(s.name.startswith("fsdp_") for lc in costs for s in lc.program.fwd + lc.program.bwd_input)
+        dp = [dp_collectives(state, r) for r in range(lay.pp)]
+        assert [sorted(o.kind for o in ops) for ops in dp] == [["all_gather", "all_gather", "reduce_scatter",
+                                                                 "reduce_scatter"]] * 2
+        out[gb] = state.prediction.comm["dp"]["total_s"]
+    assert out[16] == pytest.approx(out[64], rel=1e-12)  # 4x the micro-batches, the same FSDP traffic
 
 
 def test_deepep_buffers_are_deepeps_size_hints():
