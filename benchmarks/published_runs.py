@@ -7,9 +7,12 @@ and choice the source states is fixed; what it does not state is listed per run 
 run the predicted and measured step, the error and moeplan's breakdown; per group of layouts of one model on the same
 hardware, the predicted and the measured order; and the summary (median and worst absolute error).
 
-The memory plan is not enforced here (``plan-memory{enforce=false}``): the runs did fit, by means (FP8 activation
-caching, per-operator recompute, offloading) moeplan's memory pass does not model yet; the table says where
-moeplan's memory estimate exceeds the device.
+Layers are split over the pipeline as the runs' frameworks split them: the same number of decoder layers in every
+virtual stage (Megatron-LM ``get_num_layers_to_build``, torchtitan's even split points), padded with empty layers
+(``partition-stages{layer_layout=uniform}``); where the count cannot be spread evenly, moeplan's own split, noted.
+
+The memory plan is not enforced here (``plan-memory{enforce=false}``), so that every run's step is priced; the
+table marks a run whose memory exceeds the device, and ``benchmarks/published_memory.py`` enforces it.
 
 Usage: ``python benchmarks/published_runs.py [--json] [--only ID_SUBSTRING] [--dense]``.
 """
@@ -30,11 +33,13 @@ from flop_formulas import FORMULAS  # noqa: E402
 
 from moeplan.compiler import run_pipeline  # noqa: E402
 from moeplan.compiler import parse_pipeline  # noqa: E402
+from moeplan.errors import LayoutError  # noqa: E402
 from moeplan.layout import Layout  # noqa: E402
 from moeplan.ir import named_layers  # noqa: E402
 from moeplan.search import Fixed, check, strategies  # noqa: E402
 from moeplan.spec import ModelSpec, load_spec  # noqa: E402
-from moeplan.state import PlanState, Strategy  # noqa: E402
+from moeplan.cost_models.saved_tensors import MODULE_ALIASES  # noqa: E402
+from moeplan.state import PlanState, Precision, Strategy  # noqa: E402
 from moeplan.targets import load_target  # noqa: E402
 from moeplan.trace import trace_model  # noqa: E402
 
@@ -89,7 +94,8 @@ def _layout(run: dict, notes: list[str]) -> Layout:
     # DP×CP ranks the expert group takes, expert_shards = ep·tp/etp (moeplan/layout.py)
     ep = lay["ep"] * lay["etp"] // lay["tp"]
     return Layout(tp=lay["tp"], pp=lay["pp"], vpp=lay["vpp"], ep=ep, etp=lay["etp"], cp=lay["cp"], dp=dp,
-                  micro_batch=lay["micro_batch"], global_batch=lay["global_batch"], seq_len=lay["seq_len"])
+                  micro_batch=lay["micro_batch"], global_batch=lay["global_batch"], seq_len=lay["seq_len"],
+                  dp_shard=lay.get("dp_shard") or 1)
 
 
 def _strategy(run: dict, layout: Layout, graph, target, notes: list[str]) -> Strategy:
@@ -101,22 +107,61 @@ def _strategy(run: dict, layout: Layout, graph, target, notes: list[str]) -> Str
         overlap = ["dp"] + (["pp"] if schedule == "interleaved" else [])  # runs --overlap-grad-reduce
         notes.append(f"overlap {', '.join(overlap)} (not stated: Megatron-LM's MoE example overlaps the "  # and
                      "distributed optimizer's collectives; p2p overlaps under interleaving by default)")  # -param-gather
-    rec = (run.get("recompute") or {}).get("mode") or "none"
-    if run.get("recompute") is None:
-        notes.append("no recompute (not stated)")
-    elif rec == "selective":
-        notes.append(f"recompute 'selective' = moeplan's (norms, activations, core attention); the run's modules: "
-                     f"{', '.join(run['recompute'].get('modules') or [])}")
+    rec, modules = recompute_of(run, notes)
     fixed = Fixed(global_batch=layout.global_batch, seq_len=layout.seq_len, schedule=schedule,
-                  dispatcher=run.get("dispatcher") or None, overlap=frozenset(overlap), recompute=rec)
+                  dispatcher=run.get("dispatcher") or None, overlap=frozenset(overlap), recompute=rec,
+                  recompute_modules=modules, precision=precision_of(run, notes))
     options = strategies(layout, graph=graph, target=target, fixed=fixed)
     if not options:
         raise SystemExit(f"{run['id']}: schedule {schedule} does not fit the layout")
     return options[0]
 
 
-def predict(run: dict) -> Result:
-    notes: list[str] = list(run.get("moeplan_notes") or [])
+def recompute_of(run: dict, notes: list[str]) -> tuple[str, tuple[str, ...]]:
+    """(moeplan recompute mode, Megatron-LM module names) of the run: its recipe's ``recompute_granularity`` and
+    ``recompute_modules`` (read off the recipe at its commit), else its ``recompute`` field. ``selective`` with modules is ``modules:…``; without them it
+    is Megatron-LM's default ``--recompute-modules core_attn``, except in a torchtitan recipe, whose selective AC
+    without modules is its op-level policy (keeps matmul and attention outputs, re-runs the rest), priced as moeplan's
+    ``selective``, the nearest whole-layer policy."""
+    recipe = run.get("recipe") or {}
+    given = run.get("recompute")
+    if "recompute_granularity" in recipe:
+        given = {"mode": recipe["recompute_granularity"] or "none", "modules": recipe.get("recompute_modules")}
+    if given is None:
+        notes.append("no recompute (not stated)")
+        return "none", ()
+    mode = given.get("mode") or "none"
+    if mode != "selective":
+        return mode, ()
+    if given.get("modules"):
+        return "modules", tuple(sorted({MODULE_ALIASES.get(m, m) for m in given["modules"]}))
+    if "torchtitan" in (recipe.get("recipe_source") or ""):
+        notes.append("recompute: torchtitan's op-level selective AC priced as moeplan's 'selective' (nearest)")
+        return "selective", ()
+    notes.append("recompute modules: core_attn (Megatron-LM's default --recompute-modules)")
+    return "modules", ("core_attn",)
+
+
+def precision_of(run: dict, notes: list[str]) -> Precision:
+    """The run's model-state precision from its ``recipe`` block (each field as the recipe states it; Megatron-LM's
+    defaults — fp32 gradients and master weights, fp32 moments, the distributed optimizer — where it is silent).
+    ``fp8.activation_input_store``: the SwiGLU's input kept in FP8 (Megatron-LM
+    ``TransformerConfig.activation_func_fp8_input_store``; DeepSeek-V3 §3.3.3 states it)."""
+    recipe = run.get("recipe") or {}
+    if not recipe:
+        notes.append("precision: Megatron-LM's defaults (no recipe block)")
+    main = recipe.get("main_params_dtype")
+    if main is None and recipe.get("fsdp"):  # FSDP2 keeps no separate master copy: the shards are the weights, in
+        main = recipe.get("grad_dtype")  # the dtype of their gradients (it casts the reduced gradient to it)
+    fields = {"grad_dtype": recipe.get("grad_dtype"), "main_params_dtype": main,
+              "moments_dtype": recipe.get("moments_dtype"), "distributed_optimizer": recipe.get("distributed_optimizer"),
+              "fp8_activation_input": (recipe.get("fp8") or {}).get("activation_input_store")}
+    return Precision(**{k: v for k, v in fields.items() if v is not None})
+
+
+def compile_run(run: dict, pipeline: str, notes: list[str]) -> PlanState:
+    """The run's layout, schedule and recipe through ``pipeline`` (module docstring); what it assumes is appended to
+    ``notes``. Raises InfeasibleError when ``pipeline`` enforces memory and the run does not fit."""
     spec = load_spec(run["model"]).with_shape(seq_len=run["layout"]["seq_len"],
                                               global_batch=run["layout"]["global_batch"])
     if run.get("spec_overrides"):
@@ -129,8 +174,19 @@ def predict(run: dict) -> Result:
     check(layout, graph=graph, num_devices=run["devices"], devices_per_node=target.devices_per_node,
           num_slots=len(named_layers(spec)))
     strategy = _strategy(run, layout, graph, target, notes)
-    state, _ = run_pipeline(PlanState(graph=graph, target=target, layout=layout, strategy=strategy),
-                            parse_pipeline(PIPELINE))
+    start = PlanState(graph=graph, target=target, layout=layout, strategy=strategy)
+    try:
+        return run_pipeline(start, parse_pipeline(pipeline.replace("partition-stages",
+                                                                   "partition-stages{layer_layout=uniform}")))[0]
+    except LayoutError as e:
+        notes.append(f"layer split: moeplan's ({e})")
+        return run_pipeline(start, parse_pipeline(pipeline))[0]
+
+
+def predict(run: dict) -> Result:
+    notes: list[str] = list(run.get("moeplan_notes") or [])
+    state = compile_run(run, PIPELINE, notes)
+    spec, strategy = state.graph.spec, state.strategy
     p = state.prediction
     assert p is not None and state.memory is not None
     fits = all(m.total_bytes <= state.memory.budget_bytes for m in state.memory.stages)
