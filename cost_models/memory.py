@@ -231,6 +231,13 @@ def overheads(layout: Layout, strategy: Strategy, target: Target, *, hidden_size
                      ovh.allocator_fraction)
 
 
+def gib_text(nbytes: float) -> str:
+    """``nbytes`` in GiB for a message: one decimal from 1 GiB up, else three significant digits (a budget of a
+    few MiB on the cpu emulator must not read "0.0 GiB")."""
+    x = nbytes / GIB
+    return f"{x:.1f} GiB" if x >= 1 else f"{x:.3g} GiB"
+
+
 def budget_bytes(target: Target, budget_gib: float = 0.0, fraction: float = 1.0) -> float:
     """The bytes per device a plan may fill: ``budget_gib`` GiB when set (``--memory-budget``), else ``fraction``
     of the device's memory. Raises ValueError when the budget exceeds the device's memory, naming both."""

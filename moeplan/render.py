@@ -151,12 +151,14 @@ def render_plan(console: Console, plan: Plan, sources: dict[str, str] | None = N
     console.print(st)
     console.print(f"[dim]{plan.stages.reason}[/]")
     budget = plan.memory.budget_bytes
-    mt = Table(title=f"memory per device, GiB (budget {budget / GIB:.1f} GiB; {plan.memory.precision.short()})")
+    unit, scale = ("GiB", GIB) if budget >= GIB else ("MiB", 2**20)  # the cpu emulator's budgets are MiB
+    mt = Table(title=f"memory per device, {unit} (budget {budget / scale:.1f} {unit}; "
+                     f"{plan.memory.precision.short()})")
     for col in ("pp rank", "recompute", *(label for label, _ in MEMORY_TERMS), "total", "headroom"):
         mt.add_column(col)
     for m in plan.memory.ranks:
-        mt.add_row(str(m.pp_rank), m.recompute, *(f"{getattr(m, f) / GIB:.2f}" for _, f in MEMORY_TERMS),
-                   f"{m.total_bytes / GIB:.2f}", f"{(budget - m.total_bytes) / GIB:+.2f}")
+        mt.add_row(str(m.pp_rank), m.recompute, *(f"{getattr(m, f) / scale:.2f}" for _, f in MEMORY_TERMS),
+                   f"{m.total_bytes / scale:.2f}", f"{(budget - m.total_bytes) / scale:+.2f}")
     console.print(mt)
 
 

@@ -45,6 +45,7 @@ from moeplan.bounds import SPLIT_BACKWARD, PieceSums, floors, layout_bound, piec
 from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline, run_pipeline
 from moeplan.cost_models.dispatch import hierarchical_valid
 from moeplan.cost_models.layer_program import ep_transfer, expert_group
+from moeplan.cost_models.memory import gib_text
 from moeplan.cost_models.timeline import StepExceeded
 from moeplan.errors import InfeasibleError, LayoutError, PlanError
 from moeplan.estimate import (ModelCost, estimate_memory, estimate_step, layer_prices, model_cost, slot_weights,
@@ -331,9 +332,9 @@ def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed:
         # a lower bound for every strategy: the flat dispatcher holds no DeepEP buffers
         static = static_bytes(lay, params, target, Strategy(precision=fixed.precision), hidden_size=spec.hidden_size)
         if static > budget:
-            reject(Rejection("model-states", static, f"memory: {lay.short()} needs {static / 1024**3:.1f} GiB per "
-                                                     f"device for model states and overheads alone; the budget is "
-                                                     f"{budget / 1024**3:.1f} GiB"))
+            reject(Rejection("model-states", static, f"memory: {lay.short()} needs {gib_text(static)} per device "
+                                                     f"for model states and overheads alone; the budget is "
+                                                     f"{gib_text(budget)}"))
             continue
         found = strategies(lay, graph=graph, target=target, fixed=fixed, cache=cache)
         if not found:
@@ -652,15 +653,14 @@ def _raise_infeasible(budget: float, static: Rejection | None, layouts: list[Lay
     """No layout survived: raise InfeasibleError naming the least per-device memory any layout would need
     (``static``: the model-states rejection with the least bytes, if any) and the budget (bytes), or LayoutError
     when the passes refused every option for another reason."""
-    gib, allowed = 1024**3, budget / 1024**3
     needs = [r.figure for r in refused if r.reason == "memory" and r.figure is not None]
     if needs:
-        raise InfeasibleError(f"memory: no layout fits; the best of {len(layouts)} needs {min(needs) / gib:.1f} GiB "
-                              f"per device, the budget is {allowed:.1f} GiB", needs_bytes=min(needs))
+        raise InfeasibleError(f"memory: no layout fits; the best of {len(layouts)} needs {gib_text(min(needs))} "
+                              f"per device, the budget is {gib_text(budget)}", needs_bytes=min(needs))
     if static is not None:
         raise InfeasibleError(f"memory: no layout of {len(layouts)} fits; the best needs at least "
-                              f"{static.figure / gib:.1f} GiB per device for model states and overheads alone, "
-                              f"the budget is {allowed:.1f} GiB", needs_bytes=static.figure)
+                              f"{gib_text(static.figure)} per device for model states and overheads alone, "
+                              f"the budget is {gib_text(budget)}", needs_bytes=static.figure)
     raise LayoutError(f"layout: none of {len(layouts)} layouts is valid: "
                       f"{refused[0].message if refused else 'none was left to simulate'}",
                       rejection=refused[0] if refused else None)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from moeplan.cost_models.memory import (GIB, MODES, Overheads, budget_bytes, device_memory, fsdp_gathered_bytes,
+from moeplan.cost_models.memory import (MODES, Overheads, budget_bytes, device_memory, fsdp_gathered_bytes, gib_text,
                                         in_flight_vectors, overheads, rank_model_states, with_overheads)
 from moeplan.cost_models.saved_tensors import LayerTensors, layer_tensors, module_ops
 from moeplan.errors import InfeasibleError, PlanError
@@ -86,8 +86,8 @@ class PlanMemoryPass:
                     continue
                 with_what = "even with full recompute" if asked == "auto" else f"with recompute {asked!r}"
                 raise InfeasibleError(
-                    f"memory: pp rank {r} needs {mem.total_bytes / GIB:.1f} GiB per device {with_what} "
-                    f"({lay.short()}); the budget is {budget / GIB:.1f} GiB", needs_bytes=mem.total_bytes)
+                    f"memory: pp rank {r} needs {gib_text(mem.total_bytes)} per device {with_what} "
+                    f"({lay.short()}); the budget is {gib_text(budget)}", needs_bytes=mem.total_bytes)
             stages.append(mem)
         return state.with_(memory=MemoryPlan(stages=tuple(stages), budget_bytes=budget))
 
