@@ -63,7 +63,8 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         row = run_case(model, target, devices, args.per_case, args.fsdp)
-        print(f"{row['case']:45s} {row['options']:3d} options ({row['fsdp_options']} FSDP): worst |estimate/pass - 1| {row['worst_rel_diff']:.3%}, "
+        print(f"{row['case']:45s} {row['options']:3d} options ({row['fsdp_options']} FSDP): "
+              f"worst |estimate/pass - 1| {row['worst_rel_diff']:.3%}, "
               f"same recompute modes on every rank in {row['same_modes']}/{row['options']}  "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
 

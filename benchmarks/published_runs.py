@@ -119,10 +119,10 @@ def _strategy(run: dict, layout: Layout, graph, target, notes: list[str]) -> Str
 
 def recompute_of(run: dict, notes: list[str]) -> tuple[str, tuple[str, ...]]:
     """(moeplan recompute mode, Megatron-LM module names) of the run: its recipe's ``recompute_granularity`` and
-    ``recompute_modules`` (read off the recipe at its commit), else its ``recompute`` field. ``selective`` with modules is ``modules:…``; without them it
-    is Megatron-LM's default ``--recompute-modules core_attn``, except in a torchtitan recipe, whose selective AC
-    without modules is its op-level policy (keeps matmul and attention outputs, re-runs the rest), priced as moeplan's
-    ``selective``, the nearest whole-layer policy."""
+    ``recompute_modules`` (read off the recipe at its commit), else its ``recompute`` field. ``selective`` with
+    modules is ``modules:…``; without them it is Megatron-LM's default ``--recompute-modules core_attn``, except in
+    a torchtitan recipe, whose selective AC without modules is its op-level policy (keeps matmul and attention
+    outputs, re-runs the rest), priced as moeplan's ``selective``, the nearest whole-layer policy."""
     recipe = run.get("recipe") or {}
     given = run.get("recompute")
     if "recompute_granularity" in recipe:
@@ -154,7 +154,8 @@ def precision_of(run: dict, notes: list[str]) -> Precision:
     if main is None and recipe.get("fsdp"):  # FSDP2 keeps no separate master copy: the shards are the weights, in
         main = recipe.get("grad_dtype")  # the dtype of their gradients (it casts the reduced gradient to it)
     fields = {"grad_dtype": recipe.get("grad_dtype"), "main_params_dtype": main,
-              "moments_dtype": recipe.get("moments_dtype"), "distributed_optimizer": recipe.get("distributed_optimizer"),
+              "moments_dtype": recipe.get("moments_dtype"),
+              "distributed_optimizer": recipe.get("distributed_optimizer"),
               "fp8_activation_input": (recipe.get("fp8") or {}).get("activation_input_store")}
     return Precision(**{k: v for k, v in fields.items() if v is not None})
 

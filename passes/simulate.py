@@ -12,15 +12,15 @@ Data parallelism (the distributed optimizer, ZeRO-1): per PP rank and chunk, a r
 the recipe's gradient dtype, ``Precision.grad_dtype``) and an all-gather of the parameters (the training dtype),
 dense parameters over dp·cp ranks (stride tp) and routed experts over expert-DP (stride tp·ep); under FSDP with PP
 the same once per step over the FSDP groups, without PP each layer reduces its own gradients in every micro-batch
-(cost_models/layer_program.py ``with_fsdp``); HSDP's replicas all-reduce their shards here. Without mechanism ``dp`` they run after the rank's last backward, exposed. With ``dp``
-(Megatron-LM ``--overlap-grad-reduce --overlap-param-gather``) a chunk's reduce-scatter starts when its last
-backward ends and the all-gathers start with the step (gathering the next step's parameters while forwards run);
-both use only the time their link tier is idle (the in-layer and p2p transfers go first), so what does not fit
-runs after the rank's last backward; a chunk's first forward also waits for the all-gather of its first bucket
-(``BUCKET_PARAMS``). Then the Adam update, memory-bound: about 30 bytes moved per locally owned parameter (fp32
-grad, main weight, m, v read; main, m, v, bf16 weight written; twice that when the target trains in fp32), and the
-global gradient norm for clipping, one small all-reduce over every rank of the step (Megatron-LM
-``clip_grad_norm_fp32``; moeplan's runtime likewise).
+(cost_models/layer_program.py ``with_fsdp``); HSDP's replicas all-reduce their shards here. Without mechanism ``dp``
+they run after the rank's last backward, exposed. With ``dp`` (Megatron-LM ``--overlap-grad-reduce
+--overlap-param-gather``) a chunk's reduce-scatter starts when its last backward ends and the all-gathers start with
+the step (gathering the next step's parameters while forwards run); both use only the time their link tier is idle
+(the in-layer and p2p transfers go first), so what does not fit runs after the rank's last backward; a chunk's first
+forward also waits for the all-gather of its first bucket (``BUCKET_PARAMS``). Then the Adam update, memory-bound:
+about 30 bytes moved per locally owned parameter (fp32 grad, main weight, m, v read; main, m, v, bf16 weight
+written; twice that when the target trains in fp32), and the global gradient norm for clipping, one small all-reduce
+over every rank of the step (Megatron-LM ``clip_grad_norm_fp32``; moeplan's runtime likewise).
 
 On an eager runtime (``target.launch.granularity == "kernel"``, the cpu emulator) the optimizer is a few hundred
 small kernels, which dominate at tiny-model sizes: moeplan's runtime (moeplan/runtime/optimizer.py,
