@@ -165,7 +165,8 @@ def communicator_groups(layout: Layout) -> dict[str, int]:
 # buffered per channel and NVLink peer, 128 per RDMA rank (140 at 64 ranks); per token the hidden bytes plus 2 int
 # source metadata, 128 × 8 + 128 × 4 + 128 × 4 bytes of top-k indices, weights and FP8 scales (16 more over RDMA,
 # twice for send and receive); plus a fixed 32 MiB workspace (csrc/kernels/configs.cuh).
-DEEPEP_CHANNELS, DEEPEP_NVL_TOKENS, DEEPEP_META_BYTES, DEEPEP_WORKSPACE = 10, 288, 8 + 128 * 8 + 128 * 4 + 128 * 4, 2**25
+DEEPEP_CHANNELS, DEEPEP_NVL_TOKENS, DEEPEP_WORKSPACE = 10, 288, 2**25
+DEEPEP_META_BYTES = 8 + 128 * 8 + 128 * 4 + 128 * 4
 
 
 def deepep_bytes(*, hidden_size: int, group_size: int, stride: int, devices_per_node: int) -> float:
@@ -311,13 +312,20 @@ def rank_model_states(layers: Sequence[LayerCost], layout: Layout, precision: Pr
     copies = sum(lc.shared_params for lc in layers if lc.shared_owner in kinds)
     dense = sum(lc.params - lc.expert_params for lc in layers) - copies
     expert = sum(lc.expert_params for lc in layers)
+    return layout_states(dense, expert, layout, precision, target), max([0, *(lc.workspace_bytes for lc in layers)])
+
+
+def layout_states(dense_params: float, expert_params: float, layout: Layout, precision: Precision, target: Target
+                  ) -> ModelStateBytes:
+    """Model-state bytes of a device of ``layout`` holding ``dense_params`` + ``expert_params`` parameters (counts):
+    :func:`fsdp_state_bytes` under FSDP, else :func:`model_state_bytes` over dp·cp and expert-DP with the target's
+    weight width and runtime."""
     if layout.dp_shard > 1:
-        ms = fsdp_state_bytes(dense_params=dense, expert_params=expert, layout=layout, precision=precision)
-    else:
-        ms = model_state_bytes(dense_params=dense, expert_params=expert, dense_dp=layout.dp * layout.cp,
-                               expert_dp=layout.expert_dp, param_bytes=target.dtype_bytes, precision=precision,
-                               runtime=target.runtime)
-    return ms, max([0, *(lc.workspace_bytes for lc in layers)])
+        return fsdp_state_bytes(dense_params=dense_params, expert_params=expert_params, layout=layout,
+                                precision=precision)
+    return model_state_bytes(dense_params=dense_params, expert_params=expert_params, dense_dp=layout.dp * layout.cp,
+                             expert_dp=layout.expert_dp, param_bytes=target.dtype_bytes, precision=precision,
+                             runtime=target.runtime)
 
 
 @dataclass(frozen=True)

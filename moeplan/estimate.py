@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Mapping
 
-from moeplan.cost_models.memory import (MODES, Overheads, RankParts, fsdp_state_bytes, model_state_bytes, overheads,
-                                        rank_parts, state_bytes_per_param)
+from moeplan.cost_models.memory import (MODES, Overheads, RankParts, layout_states, overheads, rank_parts,
+                                        state_bytes_per_param)
 from moeplan.cost_models.timeline import action_time_s, concat_segments
 from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout
@@ -63,14 +63,14 @@ def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Di
     layers: dict[LayerKind, LayerCost] = {}
     piece: dict[LayerKind, float] = {}
     kinds = ([LayerKind.EMPTY] if LayerKind.EMPTY in graph.layers else []) + list(counts)  # the partition may pad
-    for kind in kinds:  # chunks with empty layers
-        key, priced = layer_prices(graph, kind, layout, target, dispatcher, cache, precision)
+    prices = {kind: layer_prices(graph, kind, layout, target, dispatcher, cache, precision) for kind in kinds}
+    for kind, (key, priced) in prices.items():  # chunks with empty layers
         layers[kind] = priced[0]
         if ("piece", key, overlap) not in cache:
             cache[("piece", key, overlap)] = piece_time_s(priced[0], beside_compute(target, overlap))
         piece[kind] = cache[("piece", key, overlap)]
     for kind, n in counts.items():
-        key, priced = layer_prices(graph, kind, layout, target, dispatcher, cache, precision)
+        key, priced = prices[kind]
         if ("kind", key, overlap) not in cache:
             cache[("kind", key, overlap)] = _kind_prices(key, priced[0].program, target, overlap, cache)
         lf, li, lw, lp, edges[kind], lbusy = cache[("kind", key, overlap)]
@@ -130,13 +130,7 @@ def static_bytes(layout: Layout, params: tuple[float, float], target: Target, st
     """Bytes per device of an average stage's model states (``params`` from :func:`stage_params`) with the
     overheads that do not depend on activations (cost_models/memory.py): a lower bound of the fullest device's
     memory, for the search to drop a layout before pricing it."""
-    if layout.dp_shard > 1:
-        ms = fsdp_state_bytes(dense_params=params[0], expert_params=params[1], layout=layout,
-                              precision=strategy.precision)
-    else:
-        ms = model_state_bytes(dense_params=params[0], expert_params=params[1], dense_dp=layout.dp * layout.cp,
-                               expert_dp=layout.expert_dp, param_bytes=target.dtype_bytes,
-                               precision=strategy.precision, runtime=target.runtime)
+    ms = layout_states(params[0], params[1], layout, strategy.precision, target)
     over = overheads(layout, strategy, target, hidden_size=hidden_size)
     return over.runtime_bytes + over.comm_buffer_bytes + ms.total_bytes
 
@@ -171,29 +165,27 @@ class MemoryEstimate:
         return tuple(p.memory(r, v, mode, self.over) for r, (p, v, mode) in enumerate(self.parts))  # type: ignore[arg-type]
 
 
-_STAGES: dict = {}
-
-
-def _stage_kinds(layout: Layout, strategy: Strategy, cost: ModelCost, kinds: tuple[LayerKind, ...],
-                 target: Target) -> tuple[tuple[LayerKind, ...], ...]:
+def _stage_kinds(layout: Layout, strategy: Strategy, cost: ModelCost, kinds: tuple[LayerKind, ...]
+                 ) -> tuple[tuple[LayerKind, ...], ...]:
     """Per pipeline stage, its layers' kinds as the partition pass splits them (passes/partition_stages.py:
     the same piece times, the same split, the same empty layers)."""
-    times = [cost.piece_s[k] for k in kinds]
-    key = (tuple(times), layout.pp, layout.vpp, placement_of(strategy.schedule))
-    if key not in _STAGES:
-        flags = [int(k in SLOT_KINDS) for k in kinds]
-        runs, capacity, _ = split_runs(times, flags, pp=layout.pp, vpp=layout.vpp, placement=key[3])
-        out, start = [], 0
-        for r in runs:
-            part = list(kinds[start:start + r])
-            if capacity is not None:
-                part += [LayerKind.EMPTY] * (capacity - sum(flags[start:start + r]))
-            out.append(tuple(part))
-            start += r
-        if len(_STAGES) > 4096:
-            _STAGES.clear()
-        _STAGES[key] = tuple(out)
-    return _STAGES[key]
+    return _split_kinds(kinds, tuple(cost.piece_s[k] for k in kinds), layout.pp, layout.vpp,
+                        placement_of(strategy.schedule))
+
+
+@lru_cache(maxsize=4096)
+def _split_kinds(kinds: tuple[LayerKind, ...], times: tuple[float, ...], pp: int, vpp: int, placement: Placement
+                 ) -> tuple[tuple[LayerKind, ...], ...]:
+    flags = [int(k in SLOT_KINDS) for k in kinds]
+    runs, capacity, _ = split_runs(list(times), flags, pp=pp, vpp=vpp, placement=placement)
+    out, start = [], 0
+    for r in runs:
+        part = list(kinds[start:start + r])
+        if capacity is not None:
+            part += [LayerKind.EMPTY] * (capacity - sum(flags[start:start + r]))
+        out.append(tuple(part))
+        start += r
+    return tuple(out)
 
 
 def estimate_memory(layout: Layout, strategy: Strategy, cost: ModelCost, *, kinds: tuple[LayerKind, ...],
@@ -204,7 +196,7 @@ def estimate_memory(layout: Layout, strategy: Strategy, cost: ModelCost, *, kind
     modes by any of them; the pass decides)."""
     modes = {"auto": MODES, "ilp": MODES, "ilp-no-swap": MODES, "mindspeed": ("selective",),
              "modules": ("selective",)}.get(strategy.recompute, (strategy.recompute,))
-    stages = _stage_kinds(layout, strategy, cost, kinds, target)
+    stages = _stage_kinds(layout, strategy, cost, kinds)
     fb = "fb" in strategy.overlap
     vectors = in_flight_by_rank(strategy.schedule, pp=layout.pp, vpp=layout.vpp,
                                 num_microbatches=layout.num_microbatches, fb=fb)

@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from moeplan.cost_models.memory import (MODES, Overheads, budget_bytes, device_memory, fsdp_gathered_bytes, gib_text,
-                                        in_flight_vectors, overheads, rank_model_states, with_overheads)
+from moeplan.cost_models.memory import (MODES, Overheads, budget_bytes, device_memory, gib_text, in_flight_vectors,
+                                        overheads, rank_parts, with_overheads)
 from moeplan.cost_models.saved_tensors import LayerTensors, layer_tensors, module_ops
 from moeplan.errors import InfeasibleError, PlanError
 from moeplan.memory_ilp import Group, RankProblem, choice_of, evaluate, solve, working_set
@@ -134,10 +134,10 @@ def rank_problem(state: PlanState, rank: int, mode: Recompute, actions: tuple[st
             counts[k] = counts.get(k, 0) + 1
         for k, n in counts.items():
             groups.append(Group(c, n, _tensors(state, k, tensors)))
-    layers = [lc for lcs in rank_chunks(state, rank) for lc in lcs]
-    ms, workspace = rank_model_states(layers, state.layout, state.strategy.precision, state.target)
+    parts = rank_parts(rank_chunks(state, rank), layout=state.layout, precision=state.strategy.precision,
+                       target=state.target, modes=())
+    ms, workspace, gathered = parts.states, parts.workspace, parts.gathered
     vectors = in_flight_vectors(actions, _stages(state, rank))
-    gathered = fsdp_gathered_bytes(layers, state.layout, state.strategy.precision, state.target)
     static = StageMemory(pp_rank=rank, recompute=mode, params_bytes=ms.params_bytes, grads_bytes=ms.grads_bytes,
                          optimizer_bytes=ms.optimizer_bytes, activation_bytes=0.0, workspace_bytes=workspace,
                          in_flight_microbatches=max((sum(v) for v in vectors), default=0), gathered_bytes=gathered)
