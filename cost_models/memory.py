@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
-from moeplan.cost_models.timeline import compute_parts
+from moeplan.actions import compute_parts
 from moeplan.layout import Layout
 from moeplan.state import LayerCost, Precision, Recompute, StageMemory, Strategy
 from moeplan.targets import RuntimeSupport, Target

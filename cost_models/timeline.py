@@ -61,57 +61,16 @@ action whose input never arrives, and deadlocks (no action can progress), naming
 """
 from __future__ import annotations
 
-import functools
 import heapq
-import re
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping, NamedTuple, Sequence
 
+from moeplan.actions import COMPUTE_KINDS, OVERLAP, RECV_KINDS, SEND_KINDS, parse_action
 from moeplan.errors import MoeplanError, PlanError
 from moeplan.state import Segment, Tier
 
-COMPUTE_KINDS = ("F", "B", "I", "W")
-SEND_KINDS = ("SEND_F", "SEND_B")
-RECV_KINDS = ("RECV_F", "RECV_B")
-NOOP_KINDS = ("REDUCE_GRAD", "UNSHARD", "RESHARD")
-OVERLAP = "OVERLAP_F_B"
 TIERS: tuple[Tier, ...] = ("intra", "inter")
-_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UNSHARD|RESHARD|F|B|I|W)(\d*)")
-_OVERLAP_RE = re.compile(r"\((\d+F\d+);(\d+B\d+)\)OVERLAP_F_B")
-
-
-class Action(NamedTuple):
-    """One parsed action: ``stage`` (pipeline stage id), ``kind`` (``F``, ``SEND_F``, ...), ``microbatch`` (−1 for
-    the no-op kinds, which carry none). An ``OVERLAP_F_B`` pair has stage and micro-batch −1 and its two parts in
-    ``parts``."""
-
-    stage: int
-    kind: str
-    microbatch: int
-    parts: tuple["Action", ...] = ()
-
-
-@functools.lru_cache(maxsize=1 << 18)
-def parse_action(text: str) -> Action:
-    """Parse ``"3F12"`` → ``Action(3, "F", 12)`` and ``"(3F1;4B0)OVERLAP_F_B"`` → its pair; raise PlanError on
-    anything else. Cached: the schedule, memory and simulate passes each read the same lists."""
-    text = text.strip()
-    pair = _OVERLAP_RE.fullmatch(text)
-    if pair is not None:
-        return Action(-1, OVERLAP, -1, (parse_action(pair.group(1)), parse_action(pair.group(2))))
-    match = _ACTION_RE.fullmatch(text)
-    if match is None or (match.group(3) == "") != (match.group(2) in NOOP_KINDS):
-        raise PlanError(f"action={text!r}: must be '{{stage}}{{kind}}{{microbatch}}' with kind one of "
-                        f"{', '.join(COMPUTE_KINDS + SEND_KINDS + RECV_KINDS)}, or '({{s}}F{{m}};{{s}}B{{m}})"
-                        f"OVERLAP_F_B'")
-    return Action(int(match.group(1)), match.group(2), int(match.group(3)) if match.group(3) else -1)
-
-
-def compute_parts(text: str) -> tuple[Action, ...]:
-    """The compute actions of ``text``: one for F/B/I/W, two for an OVERLAP_F_B pair, none otherwise."""
-    a = parse_action(text)
-    return a.parts if a.kind == OVERLAP else (a,) if a.kind in COMPUTE_KINDS else ()
 
 
 @dataclass(frozen=True)

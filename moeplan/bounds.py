@@ -34,9 +34,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from moeplan.ir import kind_of
+from moeplan.actions import placement_of, stage_rank
 from moeplan.cost_models.memory import MODES
-from moeplan.passes.schedule import FB_PAIRED, placement_of, stage_rank
+from moeplan.ir import kind_of
+from moeplan.passes.schedule import FB_PAIRED
 from moeplan.passes.simulate import dp_collectives, optimizer_s, recompute_segments
 from moeplan.state import LayerCost, PlanState, Recompute, Segment, Strategy
 

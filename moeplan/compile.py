@@ -11,9 +11,8 @@ from typing import NamedTuple
 
 from moeplan import __version__
 from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline
-from moeplan.layout import Layout
-from moeplan.passes.shard import ShardPass
 from moeplan.cost_models.timeline import StageProgram, Timeline, simulate
+from moeplan.passes.shard import ShardPass
 from moeplan.passes.simulate import SimulatePass, run_settings, stage_programs
 from moeplan.plan import (SCHEMA_VERSION, Plan, PlanCollective, PlanComm, PlanCommClass, PlanExperts, PlanLayerCost,
                           PlanLayerDecisions, PlanLayout, PlanMemory, PlanModel, PlanOpDecision, PlanPrecision,
@@ -125,12 +124,6 @@ def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: 
                                   pass_s={"trace": trace_s, **dict(ev.pass_s)}, compile_s=compile_s))
 
 
-def layout_of(plan: Plan) -> Layout:
-    p = plan.layout
-    return Layout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, dp=p.dp, micro_batch=p.micro_batch,
-                  global_batch=p.global_batch, seq_len=p.seq_len, dp_shard=p.dp_shard)
-
-
 def strategy_of(plan: Plan) -> Strategy:
     return Strategy(schedule=plan.schedule.kind, dispatcher=plan.comm.dispatcher,
                     overlap=frozenset(plan.comm.overlap), recompute=plan.memory.recompute,
@@ -142,7 +135,7 @@ def state_from_plan(plan: Plan) -> PlanState:
     """Rebuild the plan's decisions on freshly traced and sharded costs (for re-simulation)."""
     spec = plan.model.spec
     state = PlanState(graph=trace_model(spec, seq_len=plan.layout.seq_len), target=plan.target,
-                      layout=layout_of(plan), strategy=strategy_of(plan))
+                      layout=plan.layout.as_layout(), strategy=strategy_of(plan))
     state = ShardPass().run(state)
     stages = StagePlan(chunks=tuple(tuple(tuple(c) for c in r) for r in plan.stages.chunks),
                        chunk_time_s=tuple(tuple(r) for r in plan.stages.chunk_time_s),

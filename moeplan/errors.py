@@ -44,11 +44,6 @@ class InfeasibleError(MoeplanError):
         self.needs_bytes = needs_bytes
 
 
-def field_error(cls: type[MoeplanError], field: str, value: object, rule: str) -> MoeplanError:
-    """Build an error whose one-line message names the field, the value and the rule."""
-    return cls(f"{field}={value!r}: {rule}")
-
-
 def validation_message(error: dict, *, where: str) -> str:
     """One line for the first error of a pydantic ``ValidationError`` (``e.errors()[0]``): the field's dotted path,
     the value given (a repr of at most 60 characters, however large or nested the value) and the rule, then

@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Mapping
 
+from moeplan.actions import Placement, placement_of, stage_of, stage_rank
 from moeplan.cost_models.memory import (MODES, Overheads, RankParts, layout_states, overheads, rank_parts,
                                         state_bytes_per_param)
 from moeplan.cost_models.timeline import action_time_s, concat_segments
 from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout
 from moeplan.passes.partition_stages import SLOT_KINDS, piece_time_s, split_runs
-from moeplan.passes.schedule import FB_PAIRED, Placement, in_flight_by_rank, placement_of, stage_of, stage_rank
+from moeplan.passes.schedule import FB_PAIRED, in_flight_by_rank
 from moeplan.passes.shard import layer_cost
 from moeplan.passes.simulate import (adam_s, beside_compute, dp_sync_s, owned_params, recompute_work,
                                      replica_reductions, step_sync_groups)

@@ -26,9 +26,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moeplan.cost_models.timeline import compute_parts
+from moeplan.actions import compute_parts
 from moeplan.errors import PlanError
-from moeplan.passes.schedule import stage_of
 from moeplan.plan import Plan, load_plan
 
 TARGETS = ("megatron", "mindspeed-llm", "torchtitan", "torch-pipelining")
@@ -100,7 +99,7 @@ def pipeline_stages(plan: Plan) -> list[list[str]]:
     stages: list[list[str]] = [[] for _ in range(lay.pp * lay.vpp)]
     for r, chunks in enumerate(plan.stages.chunks):
         for c, names in enumerate(chunks):
-            stages[stage_of(r, c, pp=lay.pp, placement=plan.stages.placement)] = list(names)
+            stages[plan.stages.stage_of(r, c)] = list(names)
     return stages
 
 
@@ -434,7 +433,7 @@ def _megatron(plan: Plan) -> _Args:
         a.add("--fp8-recipe", "blockwise")
     _megatron_stages(plan, a)
     if spec.is_moe:
-        a.add("--expert-model-parallel-size", lay.ep * lay.tp // lay.etp)  # MoE parallel folding: expert shards
+        a.add("--expert-model-parallel-size", lay.expert_shards)  # MoE parallel folding: expert shards
         a.add("--expert-tensor-parallel-size", lay.etp)
         if spec.num_dense_layers:
             a.add("--moe-layer-freq", f"([0]*{spec.num_dense_layers}+[1]*{spec.num_moe_layers})")
@@ -456,7 +455,7 @@ def _megatron(plan: Plan) -> _Args:
     if a.has("--overlap-moe-expert-parallel-comm"):
         a.drop("--moe-shared-expert-overlap", "Megatron-LM refuses it with --overlap-moe-expert-parallel-comm")
         why = []
-        if lay.ep * lay.tp // lay.etp == 1:
+        if lay.expert_shards == 1:
             why.append("expert-model-parallel-size > 1")
         if lay.pp > 1 and (lay.vpp == 1 or plan.stages.placement == "v"):
             why.append("virtual pipeline stages when pp > 1")
@@ -537,7 +536,7 @@ def _mindspeed(plan: Plan) -> _Args:
             a.add("--expert-model-parallel-size", lay.ep)
             a.add("--moe-tp-extend-ep")
         else:
-            a.add("--expert-model-parallel-size", lay.ep * lay.tp // lay.etp)
+            a.add("--expert-model-parallel-size", lay.expert_shards)
             a.add("--expert-tensor-parallel-size", lay.etp)
             if lay.tp_extend_ep:
                 a.notes.append("layout.tp_extend_ep: --moe-tp-extend-ep is refused with --moe-fb-overlap; the same "
@@ -572,7 +571,7 @@ def _mindspeed(plan: Plan) -> _Args:
             if min(noop) < int(a.value("--num-layers")[0]) - int(per_stage[0]):
                 a.notes.append("--noop-layers outside the last VPP stage: MindSpeed refuses them with "
                                "--moe-fb-overlap under VPP (fb_overlap.py)")
-        if spec.is_moe and (lay.etp != 1 or lay.ep * lay.tp // lay.etp == 1):
+        if spec.is_moe and (lay.etp != 1 or lay.expert_shards == 1):
             a.notes.append("--moe-fb-overlap needs expert-tensor-parallel-size 1 and expert parallelism; MindSpeed "
                            "refuses this combination as planned")
     if plan.schedule.kind == "dualpipev":
@@ -678,7 +677,7 @@ def _torchtitan(plan: Plan) -> Export:
     if spec.num_mtp_layers:
         notes.append(f"model.spec.num_mtp_layers={spec.num_mtp_layers}: torchtitan's deepseek_v3 has no MTP module")
     if spec.is_moe:
-        par["expert_parallel_degree"] = lay.ep * lay.tp // lay.etp
+        par["expert_parallel_degree"] = lay.expert_shards
         par["expert_tensor_parallel_degree"] = lay.etp
         if lay.etp not in (1, lay.tp):
             notes.append(f"layout.etp={lay.etp}: torchtitan supports etp = 1 or etp = tp only")

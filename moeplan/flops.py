@@ -16,9 +16,12 @@ difference.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from moeplan.errors import SpecError
-from moeplan.spec import ModelSpec
+
+if TYPE_CHECKING:  # moeplan.spec counts parameters with this module; it is imported here for annotations only
+    from moeplan.spec import ModelSpec
 
 SWIGLU_MATRICES = 3
 

@@ -35,11 +35,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from moeplan.compile import layout_of, plan_timeline
-from moeplan.cost_models.timeline import (OVERLAP, TIERS, Action, Event, SegmentEvent, StageProgram, Timeline,
-                                         compute_parts, parse_action)
+from moeplan.actions import Action, OVERLAP, compute_parts, parse_action
+from moeplan.actions import action_kind
+from moeplan.compile import plan_timeline
+from moeplan.cost_models.timeline import TIERS, Event, SegmentEvent, StageProgram, Timeline
 from moeplan.files import write_atomic
-from moeplan.passes.schedule import action_kind
 from moeplan.passes.simulate import dp_collectives, dp_exposure, optimizer_s
 from moeplan.plan import Plan
 from moeplan.state import PlanState, Segment
@@ -286,7 +286,7 @@ def trace_document(st: StepTimeline) -> dict:
                        "ts": ts, "dur": round(end - ts, 3), "args": s.args})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"generator": "moeplan timeline", "model": plan.model.name,
-                          "layout": layout_of(plan).short(), "schedule": plan.schedule.kind,
+                          "layout": plan.layout.as_layout().short(), "schedule": plan.schedule.kind,
                           "predicted_step_s": plan.prediction.step_time_s, "simulated_step_s": st.step_s,
                           "pipeline_s": st.pipeline_s}}
 
@@ -360,7 +360,7 @@ def figure_png(st: StepTimeline) -> bytes:
     mem_ax.set_xlabel("time from step start (ms)")
     mem_ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=1 + plan.layout.pp // 12)
     mem_ax.set_xlim(0, st.step_s * 1e3)
-    gantt.set_title(f"{plan.model.name} · {layout_of(plan).short()} · {plan.schedule.kind} · predicted step "
+    gantt.set_title(f"{plan.model.name} · {plan.layout.as_layout().short()} · {plan.schedule.kind} · predicted step "
                     f"{plan.prediction.step_time_s * 1e3:,.1f} ms", fontsize=11)
     fig.subplots_adjust(left=0.07, right=0.86, top=0.95, bottom=0.07, hspace=0.08)
     buf = io.BytesIO()

@@ -15,10 +15,11 @@ from typing import Literal, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from moeplan.cost_models.timeline import compute_parts, parse_action
-from moeplan.files import read_yaml, write_atomic
+from moeplan.actions import compute_parts, parse_action, rank_chunk, stage_of
 from moeplan.errors import PlanError, validation_message
+from moeplan.files import read_yaml, write_atomic
 from moeplan.ir import kind_of, named_layers
+from moeplan.layout import Layout
 from moeplan.names import Dispatcher, Mechanism, ScheduleKind
 from moeplan.spec import ModelSpec
 from moeplan.targets import Target
@@ -87,6 +88,17 @@ class PlanLayout(_Frozen):
     """FSDP (ZeRO-3) degree over the data-parallel replicas: parameters, gradients and optimizer states sharded
     over dp_shard·cp ranks (torchtitan ``data_parallel_shard_degree``); 1: ZeRO-1."""
 
+    def as_layout(self) -> Layout:
+        """The compiler's :class:`moeplan.layout.Layout` of these degrees (its derived figures live there)."""
+        return Layout(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp, cp=self.cp, dp=self.dp,
+                      micro_batch=self.micro_batch, global_batch=self.global_batch, seq_len=self.seq_len,
+                      dp_shard=self.dp_shard)
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks the expert count is split over (:attr:`moeplan.layout.Layout.expert_shards`)."""
+        return self.as_layout().expert_shards
+
 
 class PlanStages(_Frozen):
     """The layers of each PP rank and VPP chunk. Pipeline stage of (r, c): ``c·pp + r`` (``loop``) or, with the
@@ -105,6 +117,14 @@ class PlanStages(_Frozen):
     """Layers without weights added so that PP·VPP divides the layer count (MindSpeed ``--noop-layers``)."""
     reason: str
     """Where the MTP layer and the empty layers went, and why."""
+
+    def stage_of(self, rank: int, chunk: int) -> int:
+        """Pipeline stage of PP rank ``rank``'s chunk ``chunk`` (:func:`moeplan.actions.stage_of`)."""
+        return stage_of(rank, chunk, pp=len(self.chunks), placement=self.placement)
+
+    def rank_chunk(self, stage: int) -> tuple[int, int]:
+        """(PP rank, chunk) of pipeline stage ``stage`` (:func:`moeplan.actions.rank_chunk`)."""
+        return rank_chunk(stage, pp=len(self.chunks), placement=self.placement)
 
 
 class PlanCollective(_Frozen):
@@ -341,7 +361,7 @@ def _is_p2p(action: str) -> bool:
 
 
 def _with_p2p(kind: ScheduleKind, compute: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
-    from moeplan.passes.schedule import placement_of, with_comms
+    from moeplan.actions import placement_of, with_comms
 
     stages = [p.stage for acts in compute for a in acts for p in compute_parts(a)]
     return [with_comms(acts, pp=len(compute), num_stages=1 + max(stages, default=0), placement=placement_of(kind))
@@ -590,9 +610,8 @@ def _check_actions(plan: Plan) -> None:
     lay = plan.layout
     if len(plan.schedule.actions) != lay.pp:
         raise PlanError(f"schedule.actions: {len(plan.schedule.actions)} lists for pp={lay.pp} ranks")
-    v = plan.stages.placement == "v"
     for r, actions in enumerate(plan.schedule.actions):
-        own = {r, 2 * lay.pp - 1 - r} if v else {c * lay.pp + r for c in range(lay.vpp)}
+        own = {plan.stages.stage_of(r, c) for c in range(lay.vpp)}
         for a in actions:  # well-formed: PlanSchedule decoded and parsed every action
             parsed = parse_action(a)
             for part in compute_parts(a) or ((parsed,) if parsed.microbatch >= 0 else ()):

@@ -145,8 +145,7 @@ def render_plan(console: Console, plan: Plan, sources: dict[str, str] | None = N
         st.add_column(col)
     for r, chunks in enumerate(plan.stages.chunks):
         for c, names in enumerate(chunks):
-            stage = c * lay.pp + r if plan.stages.placement == "loop" else (r if c == 0 else 2 * lay.pp - 1 - r)
-            st.add_row(str(r), str(c), str(stage), compact(names),
+            st.add_row(str(r), str(c), str(plan.stages.stage_of(r, c)), compact(names),
                        f"{plan.stages.chunk_time_s[r][c] * 1e3:.1f} ms")
     console.print(st)
     console.print(f"[dim]{plan.stages.reason}[/]")

@@ -174,7 +174,7 @@ def strategies(layout: Layout, *, graph: ModelGraph, target: Target, fixed: Fixe
     kinds = [fixed.schedule] if fixed.schedule else list(caps.schedules)
     kinds = [k for k in kinds if layout.pp > 1 or k == "1f1b"]
     kinds = [k for k in kinds if schedule_fits(k, pp=layout.pp, vpp=layout.vpp,
-                                               num_microbatches=layout.num_microbatches) is None]
+                                               num_microbatches=layout.num_microbatches).fits]
     dispatcher = fixed.dispatcher or _cheapest_dispatcher(layout, graph, target, cache)
     ep = expert_group(layout)[0] > 1
     out = []

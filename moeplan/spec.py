@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from moeplan.errors import SpecError, validation_message
 from moeplan.files import read_json, read_yaml
+from moeplan.flops import count_params
 
 # Bounds no real model comes near; docs/inputs.md gives the reason for each. Above them a model could not be
 # trained on any cluster, and building it on the meta device (moeplan.trace) could overflow PyTorch's int64 sizes.
@@ -194,8 +195,6 @@ class ModelSpec(BaseModel):
     def _check_size(self) -> None:
         """The bounds on the whole model (docs/inputs.md): its parameters (MTP included) and the largest activation
         tensor of one sequence as the trace builds it."""
-        from moeplan.flops import count_params  # moeplan.flops imports this module
-
         pc = count_params(self)
         params = pc.total + pc.mtp + pc.mtp_copies
         if params > MAX_PARAMS:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping
 
+from moeplan import actions
 from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout
 from moeplan.names import DISPATCHERS, MECHANISMS, SCHEDULES, Dispatcher, Mechanism, ScheduleKind  # noqa: F401
@@ -236,16 +237,12 @@ class StagePlan:
         return self.chunks[rank][chunk]
 
     def rank_chunk(self, stage: int) -> tuple[int, int]:
-        """(PP rank, chunk) of pipeline stage ``stage`` under the placement."""
-        pp = self.pp
-        if self.placement == "v":
-            return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
-        return stage % pp, stage // pp
+        """(PP rank, chunk) of pipeline stage ``stage`` under the placement (:func:`moeplan.actions.rank_chunk`)."""
+        return actions.rank_chunk(stage, pp=self.pp, placement=self.placement)
 
     def stage_of(self, rank: int, chunk: int) -> int:
-        if self.placement == "v":
-            return rank if chunk == 0 else 2 * self.pp - 1 - rank
-        return chunk * self.pp + rank
+        """Pipeline stage of PP rank ``rank``'s chunk ``chunk`` (:func:`moeplan.actions.stage_of`)."""
+        return actions.stage_of(rank, chunk, pp=self.pp, placement=self.placement)
 
 
 @dataclass(frozen=True)

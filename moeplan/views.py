@@ -60,14 +60,6 @@ def _params(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
-def stage_of(plan: Plan, rank: int, chunk: int) -> int:
-    """Pipeline stage of VPP chunk ``chunk`` on PP rank ``rank`` (the rule of :class:`moeplan.plan.PlanStages`)."""
-    pp = plan.layout.pp
-    if plan.stages.placement == "v":
-        return rank if chunk == 0 else 2 * pp - 1 - rank
-    return chunk * pp + rank
-
-
 # --- overview ---------------------------------------------------------------------------------------------------
 
 def overview(plan: Plan) -> Group:
@@ -154,7 +146,7 @@ def stages(plan: Plan) -> Table:
     for r, chunks in enumerate(plan.stages.chunks):
         cells = []
         for c, names in enumerate(chunks):
-            cell = Text(f"{'▶ ' if (r, c) == (worst_rank, worst_chunk) else ''}stage {stage_of(plan, r, c)} · "
+            cell = Text(f"{'▶ ' if (r, c) == (worst_rank, worst_chunk) else ''}stage {plan.stages.stage_of(r, c)} · "
                         f"{fmt_s(times[r][c])}\n", style="bold" if (r, c) == (worst_rank, worst_chunk) else "")
             cells.append(cell + _layers(names))
         t.add_row(str(r), *cells, fmt_s(sum(times[r])), fmt_bytes(plan.prediction.peak_memory_bytes[r]),
@@ -302,8 +294,8 @@ def gantt_of(plan: Plan) -> Gantt:
     stage_programs`), and — when the plan has any — the exposed swap: ``memory.ranks[r].exposed_swap_s[chunk]``
     (copy out, prefetch) seconds at the end of each forward and the start of each backward of that chunk, where
     the simulator places them (passes/simulate.py ``stage_program``)."""
+    from moeplan.actions import compute_parts, parse_action
     from moeplan.compile import plan_timeline
-    from moeplan.cost_models.timeline import compute_parts, parse_action
 
     _, programs, tl = plan_timeline(plan)
     pp = plan.layout.pp
@@ -328,7 +320,7 @@ def gantt_of(plan: Plan) -> Gantt:
         cls = programs[action.stage].phase(action.kind)[s.index].comm.comm_class
         for tier in s.stream.split("+"):
             spans.setdefault((s.rank, tier, cls), []).append((s.start_s, s.end_s))
-    chunk_of = {stage_of(plan, r, c): c for r in range(pp) for c in range(plan.layout.vpp)}
+    chunk_of = {plan.stages.stage_of(r, c): c for r in range(pp) for c in range(plan.layout.vpp)}
     swapping = {m.pp_rank: m.exposed_swap_s for m in plan.memory.ranks if any(map(any, m.exposed_swap_s))}
     for (rank, part), (start, end) in parts.items():
         if rank not in swapping:

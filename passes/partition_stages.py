@@ -39,10 +39,10 @@ from typing import ClassVar, Literal, Sequence
 
 import numpy as np
 
+from moeplan.actions import Placement, placement_of, stage_of, stage_rank
 from moeplan.cost_models.timeline import RunSettings, action_time_s
 from moeplan.errors import LayoutError
 from moeplan.ir import LayerKind, named_layers
-from moeplan.passes.schedule import Placement, placement_of, stage_of, stage_rank
 from moeplan.passes.simulate import beside_compute
 from moeplan.state import LayerCost, PlanState, StagePlan
 
@@ -67,26 +67,37 @@ def piece_time_s(cost: LayerCost, settings: RunSettings = RunSettings(mechanisms
     return action_time_s([prog.fwd], settings) + action_time_s([prog.backward], settings)
 
 
+@dataclass(frozen=True)
+class Partition:
+    """A contiguous split (:func:`min_max_partition`): ``status`` ``"split"`` with ``runs``, the pieces per run in
+    order; ``"infeasible"`` when no split keeps every run within the slot capacity, with ``reason``."""
+
+    status: Literal["split", "infeasible"]
+    runs: tuple[int, ...] = ()
+    reason: str = ""
+
+
 def min_max_partition(times: list[float], num_chunks: int, *, slots: list[int] | None = None,
-                      capacity: int | None = None) -> list[int] | None:
+                      capacity: int | None = None) -> Partition:
     """Split ``times`` into ``num_chunks`` non-empty contiguous runs minimising the largest sum.
 
     With ``slots`` and ``capacity`` a run may hold at most ``capacity`` slots (the greedy feasibility test stays
-    exact: both sums are additive and monotone, so the longest feasible first run never hurts). Returns the run
-    lengths, or None when the capacity makes it impossible. Raises LayoutError if there are fewer items than
-    chunks.
+    exact: both sums are additive and monotone, so the longest feasible first run never hurts); the split is
+    ``infeasible`` when the capacity makes it impossible. Raises LayoutError if there are fewer items than chunks.
     """
     n = len(times)
     if n < num_chunks:
         raise LayoutError(f"chunks={num_chunks}: more pipeline chunks than the {n} layers to place")
     cap = capacity if capacity is not None else n
     if slots is not None and (max(slots) > cap or sum(slots) > cap * num_chunks):
-        return None
+        return Partition("infeasible", reason=f"{sum(slots)} slots (at most {max(slots)} per piece) do not fit "
+                                              f"{num_chunks} runs of {cap}")
     prefix = [0.0, *accumulate(times)]
     slot_prefix = [0, *accumulate(slots)] if slots is not None and capacity is not None else None
     runs, worst, _ = _greedy(prefix, slot_prefix, float("inf"), cap)
     if len(runs) > num_chunks:
-        return None
+        return Partition("infeasible", reason=f"the pieces' order needs {len(runs)} runs of at most {cap} slots, "
+                                              f"more than {num_chunks}")
     lo, hi = max(max(times), prefix[-1] / num_chunks), worst  # the optimum lies in [lo, hi]; hi is feasible
     probe = lo
     while lo < hi:
@@ -108,7 +119,7 @@ def min_max_partition(times: list[float], num_chunks: int, *, slots: list[int] |
         runs[k:k + 1] = [runs[k] - 1, 1]
         ends[k:k + 1] = [ends[k] - 1, ends[k]]
         split[k:k + 1] = [sum(times[ends[k] - runs[k]:ends[k]]) if runs[k] > 1 else -1.0, -1.0]
-    return runs
+    return Partition("split", tuple(runs))
 
 
 def balance_ranks(times: Sequence[float], runs: Sequence[int], *, pp: int, placement: Placement,
@@ -231,20 +242,20 @@ def split_runs(times: list[float], slots: list[int], *, pp: int, vpp: int, place
     else None, a note on what equal counts would cost) for pieces of ``times`` seconds of which ``slots`` are
     decoder layers (module docstring). Raises LayoutError for ``uniform`` when the slots cannot be spread evenly,
     or when there are fewer pieces than chunks."""
-    free = min_max_partition(times, pp * vpp)
-    assert free is not None
+    free = list(min_max_partition(times, pp * vpp).runs)  # without a capacity every split is feasible
     if placement == "v":
         free = balance_ranks(times, free, pp=pp, placement=placement)
     if layer_layout == "free":
         return free, None, ""
-    uniform, cap = _uniform(times, slots, pp * vpp)
-    if uniform is not None and placement == "v":
-        uniform = balance_ranks(times, uniform, pp=pp, placement=placement, slots=slots, capacity=cap)
-    if uniform is None:
+    split, cap = _uniform(times, slots, pp * vpp)
+    if split.status == "infeasible":
         if layer_layout == "uniform":
             raise LayoutError(f"layer_layout='uniform': {sum(slots)} decoder layers cannot be spread "
                               f"{cap} per chunk over {pp * vpp} chunks")
         return free, None, ""
+    uniform = list(split.runs)
+    if placement == "v":
+        uniform = balance_ranks(times, uniform, pp=pp, placement=placement, slots=slots, capacity=cap)
     slowdown = _max_run(times, uniform) / _max_run(times, free) - 1
     if layer_layout == "uniform" or slowdown <= UNIFORM_TOLERANCE:
         return uniform, cap, ""
@@ -257,10 +268,10 @@ def _max_run(times: list[float], runs: list[int]) -> float:
     return max(sum(times[s:s + r]) for s, r in zip(starts, runs))
 
 
-def _uniform(times: list[float], slots: list[int], num_chunks: int) -> tuple[list[int] | None, int]:
+def _uniform(times: list[float], slots: list[int], num_chunks: int) -> tuple[Partition, int]:
     """The best partition with the fewest decoder slots per chunk that can hold them all, ceil(slots / chunks)
-    (more slots would be a different split, not padding), and that slot count; None if the capacity is too small
-    for the pieces' order."""
+    (more slots would be a different split, not padding), and that slot count; ``infeasible`` if the capacity is
+    too small for the pieces' order."""
     cap = -(-sum(slots) // num_chunks)
     return min_max_partition(times, num_chunks, slots=slots, capacity=cap), cap
 

@@ -31,35 +31,15 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import ClassVar, Literal, Sequence
+from typing import ClassVar, Sequence
 
+from moeplan.actions import OVERLAP, action_kind, compute_parts, placement_of, stage_of, with_comms
 from moeplan.cost_models.memory import peak_live_bytes, vectors_of
-from moeplan.cost_models.timeline import OVERLAP, compute_parts
 from moeplan.errors import LayoutError, PlanError
 from moeplan.state import PlanState, Schedule, ScheduleKind
 
-Placement = Literal["loop", "v"]
 _Compute = tuple[str, int, int]  # (kind "F"/"B", stage, micro-batch)
 _TORCH_NAMES = {"zero-bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
-
-
-def placement_of(kind: ScheduleKind) -> Placement:
-    """``v`` for the V-shaped schedules (zbv, dualpipev), else ``loop``."""
-    return "v" if kind in ("zbv", "dualpipev") else "loop"
-
-
-def stage_rank(stage: int, *, pp: int, placement: Placement) -> int:
-    """PP rank that holds pipeline stage ``stage``."""
-    if placement == "v":
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
-
-
-def stage_of(rank: int, chunk: int, *, pp: int, placement: Placement) -> int:
-    """Pipeline stage of PP rank ``rank``'s chunk ``chunk``."""
-    if placement == "v":
-        return rank if chunk == 0 else 2 * pp - 1 - rank
-    return chunk * pp + rank
 
 
 def _check_counts(**counts: int) -> None:
@@ -68,8 +48,22 @@ def _check_counts(**counts: int) -> None:
             raise LayoutError(f"{name}={value!r}: must be a positive integer")
 
 
-def schedule_fits(kind: ScheduleKind, *, pp: int, vpp: int, num_microbatches: int) -> str | None:
-    """None when ``kind`` can run the layout, else the rule it breaks (one line)."""
+@dataclass(frozen=True)
+class ScheduleFit:
+    """Whether a schedule kind can run a layout (:func:`schedule_fits`): ``fits``, else ``reason`` is the rule it
+    breaks, one line."""
+
+    fits: bool
+    reason: str = ""
+
+
+def schedule_fits(kind: ScheduleKind, *, pp: int, vpp: int, num_microbatches: int) -> ScheduleFit:
+    """Whether ``kind`` can run ``pp`` ranks × ``vpp`` chunks with ``num_microbatches`` micro-batches."""
+    rule = _broken_rule(kind, pp=pp, vpp=vpp, num_microbatches=num_microbatches)
+    return ScheduleFit(True) if rule is None else ScheduleFit(False, rule)
+
+
+def _broken_rule(kind: ScheduleKind, *, pp: int, vpp: int, num_microbatches: int) -> str | None:
     m = num_microbatches
     if kind == "1f1b":
         return None if vpp == 1 else "1f1b runs one chunk per rank (vpp=1)"
@@ -166,40 +160,14 @@ def split_fb(compute: Sequence[str]) -> list[str]:
     return out
 
 
-def action_kind(text: str) -> str:
-    """The kind of a compute action: F, B, I or W, or OVERLAP_F_B for a pair."""
-    parts = compute_parts(text)
-    return parts[0].kind if len(parts) == 1 else OVERLAP
-
-
-def with_comms(compute: Sequence[str], *, pp: int, num_stages: int, placement: Placement) -> tuple[str, ...]:
-    """Insert RECVs before and SENDs after each compute action whose neighbour stage is on another rank."""
-    out: list[str] = []
-    for text in compute:
-        parts = compute_parts(text)
-        recvs, sends = [], []
-        for p in parts:
-            if p.kind == "W":
-                continue
-            peer_in, peer_out = (p.stage - 1, p.stage + 1) if p.kind == "F" else (p.stage + 1, p.stage - 1)
-            here = stage_rank(p.stage, pp=pp, placement=placement)
-            d = "F" if p.kind == "F" else "B"
-            if 0 <= peer_in < num_stages and stage_rank(peer_in, pp=pp, placement=placement) != here:
-                recvs.append(f"{p.stage}RECV_{d}{p.microbatch}")
-            if 0 <= peer_out < num_stages and stage_rank(peer_out, pp=pp, placement=placement) != here:
-                sends.append(f"{p.stage}SEND_{d}{p.microbatch}")
-        out += recvs + [text] + sends
-    return tuple(out)
-
-
 def build_actions(kind: ScheduleKind, *, pp: int, vpp: int, num_microbatches: int,
                   fb: bool = False) -> tuple[tuple[str, ...], ...]:
     """Per-rank action lists (compute and p2p) of schedule ``kind`` (module docstring). Raises LayoutError when the
     schedule does not fit the layout (:func:`schedule_fits`) or a count is < 1."""
     _check_counts(pp=pp, vpp=vpp, num_microbatches=num_microbatches)
-    rule = schedule_fits(kind, pp=pp, vpp=vpp, num_microbatches=num_microbatches)
-    if rule is not None:
-        raise LayoutError(f"schedule={kind!r}: {rule}")
+    fit = schedule_fits(kind, pp=pp, vpp=vpp, num_microbatches=num_microbatches)
+    if not fit.fits:
+        raise LayoutError(f"schedule={kind!r}: {fit.reason}")
     m, extra = num_microbatches, int(fb)
     if kind == "1f1b":
         compute = [_texts(_one_f_one_b_compute(pp, m, r, extra)) for r in range(pp)]
@@ -254,7 +222,7 @@ def _equivalent_count(kind: ScheduleKind, pp: int, vpp: int, m: int) -> int:
     cap = max(2 * pp * vpp, pp * pp) if kind == "zero-bubble" else 2 * pp * vpp
     if m <= cap:
         return m
-    return next((c for c in range(cap, m) if schedule_fits(kind, pp=pp, vpp=vpp, num_microbatches=c) is None), m)
+    return next((c for c in range(cap, m) if schedule_fits(kind, pp=pp, vpp=vpp, num_microbatches=c).fits), m)
 
 
 @lru_cache(maxsize=512)

@@ -30,7 +30,7 @@ def test_reported_pangu_layout_compiles_balanced(pangu_fixed):
     state = pangu_fixed.result.ranked[0].state
     settings = beside_compute(state.target, state.strategy.overlap)
     pieces = [piece_time_s(state.sharding.layer_costs[k], settings) for _, k in named_layers(PANGU)]
-    best = max(sum(pieces[sum(runs[:i]):sum(runs[:i + 1])]) for runs in [min_max_partition(pieces, 32)]
+    best = max(sum(pieces[sum(runs[:i]):sum(runs[:i + 1])]) for runs in [min_max_partition(pieces, 32).runs]
                for i in range(len(runs)))
     assert max(times) <= best * (1 + UNIFORM_TOLERANCE) + 1e-12  # the min-max optimum (or uniform within 1%)
     assert max(times) <= 1.10 * sum(times) / len(times)  # arXiv 2505.04519 claims 5% with its own model
@@ -124,8 +124,8 @@ def test_estimate_rank_load_follows_the_partition_pass():
     """rank_load splits as the partition pass does. Llama3-70B's pieces (no-FLOP embedding, 80 equal layers, a head
     of 1.139 layers) on pp 2 × vpp 2: the pass keeps 20 layers per chunk (its slowest chunk is within 1% of the free
     split's), which leaves the busiest rank 1.4% over the mean; the free min-max split alone gives 3.5%."""
-    from moeplan.passes.partition_stages import split_runs
     from moeplan.estimate import rank_load
+    from moeplan.passes.partition_stages import split_runs
 
     times = (0.0,) + (1.0,) * 80 + (1.139,)
     slots = (0,) + (1,) * 80 + (0,)
@@ -146,8 +146,8 @@ def test_estimate_rank_load_follows_the_partition_pass():
 def test_weight_pass_whole_backward_prices_w_as_a_second_backward():
     """A runtime whose W re-traverses the backward (the cpu emulator) has W priced as the stage's dX and dW kernels,
     in the timeline and in compare's per-action prediction; a weight-only runtime's W is the dW kernels alone."""
+    from moeplan.actions import parse_action
     from moeplan.compile import plan_timeline
-    from moeplan.cost_models.timeline import parse_action
     from moeplan.runtime.compare import predicted_rank
 
     base = load_target("cpu", devices_per_node=4).model_copy(update={"comm_compute_slowdown": 0.0})

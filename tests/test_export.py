@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.distributed.pipelining.schedules import _Action, _add_reduce_grad, _PipelineScheduleRuntime
 
+from moeplan.actions import compute_parts
 from moeplan.cli import main
 from moeplan.compile import compile_model
 from moeplan.compiler import DEFAULT_PIPELINE, with_option
-from moeplan.cost_models.timeline import compute_parts
 from moeplan.errors import PlanError
 from moeplan.export import TARGETS, export_file, export_plan, pipeline_stages
 from moeplan.plan import SCHEMA_VERSION, save_plan

@@ -10,9 +10,9 @@ import pytest
 from matplotlib.image import imread
 from typer.testing import CliRunner
 
+from moeplan.actions import compute_parts
 from moeplan.cli import app
 from moeplan.compile import compile_model, plan_timeline
-from moeplan.cost_models.timeline import compute_parts
 from moeplan.gantt import DPI, FIGSIZE_IN, step_timeline, trace_document, write_timeline
 from moeplan.plan import SCHEMA_VERSION, save_plan
 from moeplan.search import Fixed

@@ -21,7 +21,7 @@ def test_min_max_partition_is_optimal(seed):
     n = rng.randint(2, 10)
     k = rng.randint(1, n)
     times = [rng.choice([0.0, rng.uniform(0.1, 3.0)]) for _ in range(n)]
-    runs = min_max_partition(times, k)
+    runs = min_max_partition(times, k).runs
     assert len(runs) == k and all(r >= 1 for r in runs) and sum(runs) == n
     starts = [sum(runs[:i]) for i in range(k)]
     got = max(sum(times[s:s + r]) for s, r in zip(starts, runs))
@@ -52,11 +52,12 @@ def test_capacity_partition_is_optimal(seed):
     times = [rng.uniform(0.1, 3.0) for _ in range(n)]
     slots = [rng.choice([0, 1, 1]) for _ in range(n)]
     cap = rng.randint(1, 3)
-    runs = min_max_partition(times, k, slots=slots, capacity=cap)
+    split = min_max_partition(times, k, slots=slots, capacity=cap)
     expect = brute_force_capacity(times, slots, k, cap)
     if expect is None:
-        assert runs is None
+        assert split.status == "infeasible" and split.reason
         return
+    runs = split.runs
     starts = [sum(runs[:i]) for i in range(k)]
     assert all(sum(slots[s:s + r]) <= cap for s, r in zip(starts, runs))
     assert max(sum(times[s:s + r]) for s, r in zip(starts, runs)) == pytest.approx(expect)
@@ -90,11 +91,12 @@ def test_partition_matches_dynamic_programming_on_layer_like_pieces(seed):
                                        for _ in range(n - 2)] + [rng.uniform(0.1, 3.0)]
     slots = [0] + [1] * (n - 2) + [0]
     for cap in (None, -(-sum(slots) // k), -(-sum(slots) // k) + 1):
-        runs = min_max_partition(times, k, slots=None if cap is None else slots, capacity=cap)
+        split = min_max_partition(times, k, slots=None if cap is None else slots, capacity=cap)
         expect = dp_optimum(times, slots, k, cap if cap is not None else n)
         if expect == float("inf"):
-            assert runs is None
+            assert split.status == "infeasible"
             continue
+        runs = split.runs
         assert len(runs) == k and min(runs) >= 1 and sum(runs) == n
         starts = [sum(runs[:i]) for i in range(k)]
         assert all(cap is None or sum(slots[s:s + r]) <= cap for s, r in zip(starts, runs))

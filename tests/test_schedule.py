@@ -3,13 +3,12 @@ import pytest
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.schedules import _Action, _simulate_comms_compute
 
-from moeplan.cost_models.timeline import parse_action
+from moeplan.actions import parse_action
+from moeplan.actions import placement_of, stage_of, stage_rank
 from moeplan.errors import LayoutError, PlanError
 from moeplan.ir import ModelGraph
 from moeplan.layout import Layout
-from moeplan.passes.schedule import (SchedulePass, build_actions, interleaved_1f1b, max_in_flight,
-                                     one_f_one_b, pair_fb, placement_of, schedule_fits, split_fb, stage_of, stage_rank,
-                                     torch_compute_order)
+from moeplan.passes.schedule import SchedulePass, build_actions, interleaved_1f1b, max_in_flight, one_f_one_b, pair_fb, schedule_fits, split_fb, torch_compute_order
 from moeplan.spec import load_spec
 from moeplan.state import PlanState, StagePlan, Strategy
 from moeplan.targets import load_target
@@ -191,13 +190,13 @@ def test_zero_bubble_fits_exactly_when_torch_builds_it():
         build_actions("zero-bubble", pp=4, vpp=2, num_microbatches=30)
     for pp in (2, 3, 4):
         for m in range(1, 3 * pp + 2):
-            rule = schedule_fits("zero-bubble", pp=pp, vpp=2, num_microbatches=m)
+            fit = schedule_fits("zero-bubble", pp=pp, vpp=2, num_microbatches=m)
             try:
                 torch_compute_order("zero-bubble", pp, 2, m)
                 built = True
             except ValueError:
                 built = False
-            assert built == (rule is None), (pp, m, rule)
+            assert built == fit.fits, (pp, m, fit.reason)
 
 
 @pytest.mark.parametrize("kind, vpps", [("1f1b", (1,)), ("interleaved", (2, 3)), ("zero-bubble", (2,)),
@@ -205,15 +204,16 @@ def test_zero_bubble_fits_exactly_when_torch_builds_it():
 def test_in_flight_vectors_stop_changing_past_the_cap(kind, vpps):
     """in_flight_by_rank counts a long schedule's in-flight vectors on a shorter one of the same pattern: for every
     rank they equal the vectors walked from the full action list."""
+    from moeplan.actions import placement_of, stage_of
     from moeplan.cost_models.memory import in_flight_vectors
-    from moeplan.passes.schedule import build_actions, in_flight_by_rank, placement_of, schedule_fits, stage_of
+    from moeplan.passes.schedule import build_actions, in_flight_by_rank, schedule_fits
 
     for pp in (2, 3, 4):
         for vpp in vpps:
             for fb in ((False, True) if kind in ("1f1b", "interleaved", "dualpipev") else (False,)):
                 cap = max(2 * pp * vpp, pp * pp) if kind == "zero-bubble" else 2 * pp * vpp
                 for m in range(cap, 3 * cap + 1):
-                    if schedule_fits(kind, pp=pp, vpp=vpp, num_microbatches=m) is not None:
+                    if not schedule_fits(kind, pp=pp, vpp=vpp, num_microbatches=m).fits:
                         continue
                     actions = build_actions(kind, pp=pp, vpp=vpp, num_microbatches=m, fb=fb)
                     full = tuple(in_flight_vectors(actions[r], [stage_of(r, c, pp=pp, placement=placement_of(kind))

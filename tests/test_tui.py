@@ -13,9 +13,9 @@ import yaml
 from typer.testing import CliRunner
 
 from moeplan import views
+from moeplan.actions import compute_parts
 from moeplan.cli import app as cli_app
 from moeplan.compile import compile_model
-from moeplan.cost_models.timeline import compute_parts
 from moeplan.errors import PlanError
 from moeplan.plan import save_plan
 from moeplan.search import Fixed
@@ -133,7 +133,7 @@ def test_bottleneck_is_the_slow_rank(plan, rank):
     async def script(app, pilot):
         _, text = await show(app, pilot, "2")
         assert f"bottleneck (highlighted): pp rank {rank}," in text
-        stage = views.stage_of(slow, rank, 0)
+        stage = slow.stages.stage_of(rank, 0)
         assert f"▶ stage {stage} ·" in text and text.count("▶") == 2  # the cell and the caption
     drive(slow, script)
 

@@ -30,10 +30,9 @@ from moeplan.errors import PlanError
 from moeplan.ir import LayerKind
 from moeplan.models import DecoderLayer, EmptyLayer, GroupedExperts, build_layer, parse_layer_name, shared_sources
 from moeplan.models.init import initial_value
-from moeplan.passes.schedule import stage_of
 from moeplan.plan import Plan
 from moeplan.runtime.expert_parallel import LocalExperts, ParallelMoE
-from moeplan.runtime.groups import (ParallelGroups, RankCoords, check_layout_for_runtime, expert_shards,
+from moeplan.runtime.groups import (ParallelGroups, RankCoords, check_layout_for_runtime,
                                     Ranks, expert_node_ranks, make_node_groups, spans_nodes)
 from moeplan.runtime.parallel import CommLog, ParamShard, Sharded, TPReplicated
 from moeplan.runtime.tensor_parallel import (ParallelEmbedding, ParallelHead, ParallelSwiGLU, ReplicatedLinear,
@@ -124,7 +123,7 @@ def hidden_shape(plan: Plan) -> tuple[int, int, int]:
 def stage_ids(plan: Plan, pp_rank: int) -> list[int]:
     """Pipeline stage ids held by ``pp_rank``, by chunk: chunk c is stage ``c·pp + pp_rank`` (``loop`` placement),
     or ``pp_rank`` and ``2·pp − 1 − pp_rank`` (``v`` placement of ZB-V and DualPipeV)."""
-    return [stage_of(pp_rank, c, pp=plan.layout.pp, placement=plan.stages.placement) for c in range(plan.layout.vpp)]
+    return [plan.stages.stage_of(pp_rank, c) for c in range(plan.layout.vpp)]
 
 
 def _parallel_layer(env: ShardEnv, name: str, aux_loss_coeff: float, dispatch: dict) -> nn.Module:
@@ -177,8 +176,8 @@ def materialize_(module: nn.Module, spec: ModelSpec, name: str, *, seed: int) ->
 def _env(plan: Plan, coords: RankCoords, groups: ParallelGroups, comm_log: CommLog | None) -> ShardEnv:
     check_layout_for_runtime(plan.layout)
     spec, placement = plan.model.spec, tuple(tuple(s) for s in plan.experts.shards)
-    if spec.is_moe and len(placement) != expert_shards(plan.layout):
-        raise PlanError(f"experts.shards: {len(placement)} shards for ep·tp/etp = {expert_shards(plan.layout)} ranks")
+    if spec.is_moe and len(placement) != plan.layout.expert_shards:
+        raise PlanError(f"experts.shards: {len(placement)} shards for ep·tp/etp = {plan.layout.expert_shards} ranks")
     if spec.is_moe and sorted(e for s in placement for e in s) != list(range(spec.num_experts)):
         raise PlanError(f"experts.shards: must hold each of the {spec.num_experts} experts exactly once")
     return ShardEnv(spec=spec, layout=plan.layout, coords=coords, groups=groups, expert_placement=placement,
@@ -278,17 +277,3 @@ def tp_replicated_params(modules: dict[int, LayerDict]) -> list[nn.Parameter]:
                     if param.requires_grad:
                         out.setdefault(id(param), param)
     return list(out.values())
-
-
-def dense_and_expert_params(modules: dict[int, LayerDict]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(dense parameters, routed-expert parameters) of this rank, each distinct parameter once.
-
-    Dense gradients reduce over ``groups.dp_cp``, expert gradients over ``groups.expert_dp`` (sum, then ÷ dp).
-    """
-    dense: dict[int, nn.Parameter] = {}
-    experts: dict[int, nn.Parameter] = {}
-    for _, layer in _layers(modules):
-        for mod in layer.modules():
-            for param in mod.parameters(recurse=False):
-                (experts if isinstance(mod, LocalExperts) else dense).setdefault(id(param), param)
-    return list(dense.values()), list(experts.values())

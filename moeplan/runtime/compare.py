@@ -62,7 +62,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from moeplan.cost_models.timeline import parse_action
+from moeplan.actions import parse_action
 from moeplan.errors import PlanError
 from moeplan.ir import kind_of
 from moeplan.plan import Plan

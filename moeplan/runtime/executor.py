@@ -66,11 +66,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from moeplan.cost_models.timeline import Action, parse_action
+from moeplan.actions import Action, parse_action
 from moeplan.errors import PlanError
 from moeplan.ir import LayerKind, kind_of
 from moeplan.models import DEFAULT_MTP_WEIGHT
-from moeplan.passes.schedule import stage_rank
 from moeplan.plan import Plan
 from moeplan.runtime.activations import PerTensorCalls
 from moeplan.runtime.data import MicroBatch
@@ -119,7 +118,7 @@ def fields_after(plan: Plan, names: Sequence[str]) -> CarryFields:
 def rank_of(plan: Plan, stage: int) -> int:
     """PP rank that holds pipeline stage ``stage``: ``stage % pp`` (``loop`` placement) or, for the ``v``
     placement of ZB-V and DualPipeV, ``stage`` for ``stage < pp`` and ``2·pp − 1 − stage`` after."""
-    return stage_rank(stage, pp=plan.layout.pp, placement=plan.stages.placement)
+    return plan.stages.rank_chunk(stage)[0]
 
 
 def has_pairs(plan: Plan) -> bool:
@@ -130,7 +129,8 @@ def has_pairs(plan: Plan) -> bool:
 def stage_layers(plan: Plan, stage: int) -> list[str]:
     """Layer names of pipeline stage ``stage``: chunk ``stage // pp`` (under both placements) of PP rank
     :func:`rank_of`."""
-    return list(plan.stages.chunks[rank_of(plan, stage)][stage // plan.layout.pp])
+    rank, chunk = plan.stages.rank_chunk(stage)
+    return list(plan.stages.chunks[rank][chunk])
 
 
 def boundary_shapes(plan: Plan, stage: int) -> list[tuple[int, ...]]:

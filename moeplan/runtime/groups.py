@@ -105,18 +105,13 @@ def check_layout_for_runtime(layout: PlanLayout) -> None:
                         f"and by 2·cp for load-balanced context parallelism")
 
 
-def expert_shards(layout: PlanLayout) -> int:
-    """Ranks the expert count is split over: ``ep · tp / etp``."""
-    return layout.ep * layout.tp // layout.etp
-
-
 def rank_coords(layout: PlanLayout, rank: int) -> RankCoords:
     """Coordinates of global ``rank`` (see the module docstring). Raises PlanError for a rank outside the layout."""
     if not 0 <= rank < layout.num_devices:
         raise PlanError(f"rank={rank}: must be in 0..{layout.num_devices - 1} (layout.num_devices)")
     stage = layout.tp * layout.cp * layout.dp
     local = rank % stage
-    shards = expert_shards(layout)
+    shards = layout.expert_shards
     return RankCoords(rank=rank, tp_rank=local % layout.tp, cp_rank=(local // layout.tp) % layout.cp,
                       dp_rank=local // (layout.tp * layout.cp), pp_rank=rank // stage,
                       etp_rank=local % layout.etp, expert_rank=(local // layout.etp) % shards,

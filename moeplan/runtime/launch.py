@@ -32,9 +32,8 @@ from collections import Counter
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from moeplan.cost_models.timeline import parse_action
+from moeplan.actions import parse_action
 from moeplan.errors import MoeplanError, PlanError
-from moeplan.passes.schedule import stage_rank
 from moeplan.plan import Plan
 from moeplan.runtime.groups import check_layout_for_runtime
 
@@ -144,7 +143,7 @@ def check_schedule(plan: Plan) -> None:
     num_stages = lay.pp * lay.vpp
 
     def rank_of(stage: int) -> int:
-        return stage_rank(stage, pp=lay.pp, placement=plan.stages.placement)
+        return plan.stages.rank_chunk(stage)[0]
 
     counts: Counter = Counter()
     for r, actions in enumerate(plan.schedule.actions):
@@ -175,8 +174,8 @@ def check_experts(plan: Plan) -> None:
     shards = plan.experts.shards
     if not spec.num_experts:
         return
-    if len(shards) != lay.ep * lay.tp // lay.etp:
-        raise PlanError(f"experts.shards: {len(shards)} lists for ep·tp/etp = {lay.ep * lay.tp // lay.etp} shards")
+    if len(shards) != lay.expert_shards:
+        raise PlanError(f"experts.shards: {len(shards)} lists for ep·tp/etp = {lay.expert_shards} shards")
     flat = sorted(e for s in shards for e in s)
     if flat != list(range(spec.num_experts)):
         raise PlanError(f"experts.shards: must hold every expert 0..{spec.num_experts - 1} exactly once")

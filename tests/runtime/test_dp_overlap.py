@@ -16,7 +16,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from moeplan.cost_models.timeline import parse_action
+from moeplan.actions import parse_action
 from moeplan.plan import Plan, save_plan
 from moeplan.runtime.metrics import CommTotals
 from moeplan.runtime.optimizer import DistributedAdamW, OptimConfig, ParamEntry

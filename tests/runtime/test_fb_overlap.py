@@ -12,11 +12,11 @@ import time
 
 import torch
 
+from moeplan.actions import parse_action
 from moeplan.compile import compile_model
-from moeplan.cost_models.timeline import parse_action
 from moeplan.plan import save_plan
-from moeplan.runtime.metrics import CommTotals
 from moeplan.runtime.groups import StreamGroups
+from moeplan.runtime.metrics import CommTotals
 from moeplan.runtime.overlap import ComputeStream, PairRunner
 from moeplan.search import Fixed
 from moeplan.spec import load_spec

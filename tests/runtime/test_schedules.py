@@ -14,8 +14,8 @@ from datetime import timedelta
 import pytest
 import torch
 
+from moeplan.actions import parse_action
 from moeplan.compile import compile_model
-from moeplan.cost_models.timeline import parse_action
 from moeplan.errors import PlanError
 from moeplan.plan import Plan, PlanSchedule, save_plan
 from moeplan.runtime.build import stage_ids
