@@ -5,7 +5,7 @@ made minutes apart mixes the model's error with the machine's. This script measu
 (``--sizes``) in turn — round after round, each size once per round — so every size sees the same machine, and
 compares how the per-micro-batch F and B seconds grow with the size against how the plans compiled for those sizes
 on ``--target`` say they grow. What runs is ``moeplan run`` of each 1-device plan (``--steps`` steps per round,
-meters off; moeplan.runtime.calibrate.measure_runtime_fb_s, what ``calibrate --fit-model`` fits its rate scale to
+meters off; moeplan.calibrate.measure_runtime_fb_s, what ``calibrate --fit-model`` fits its rate scale to
 with sizes 1 and 4); the predicted figures are ``moeplan compare``'s per-action F and B
 (moeplan.runtime.compare); both over the number of micro-batches.
 
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=16, help="steps per plan and round (the first three are warm-up)")
     args = ap.parse_args()
-    from moeplan.runtime.calibrate import FIT_FIRST_STEP, measure_runtime_fb_s
+    from moeplan.calibrate import FIT_FIRST_STEP, measure_runtime_fb_s
     from moeplan.runtime.compare import predicted_rank
     from moeplan.spec import load_spec
 

@@ -121,7 +121,7 @@ def k_pipeline(k: int, k0: float | None) -> float:
 def attention_seq_len(mnk: tuple[int, int, int] | None) -> int | None:
     """The sequence length a fused attention kernel runs over, for reading a target's attention efficiency table:
     the key length, N of the op's per-device score GEMM ``(queries, keys, head dim)`` (the trace's
-    ``matmul_mnk``; passes/shard.py ``gemm_shape`` scales only M, the queries); None without a shape.
+    ``matmul_mnk``; cost_models/sharding.py ``gemm_shape`` scales only M, the queries); None without a shape.
 
     Why the keys and not the queries, which CP splits: moeplan prices context parallelism as an all-gather of K
     and V (docs/step-model.md §1; Megatron-LM ``--cp-comm-type all_gather``, as moeplan/runtime/context_parallel.py
@@ -210,7 +210,7 @@ def annotation_time_s(op: OpAnnotation, *, scale: float, target: Target, weight_
     bytes (the ``shard`` pass passes e.g. ``micro_batch / (tp · cp)``); ``weight_scale`` multiplies its weight bytes
     (``2 · param_count``, bf16, part of ``bytes_read``), which follow how the weights are sharded, not the tokens
     (1/tp for TP ops, 1/(ep·tp) for routed experts, 1 when replicated). ``mnk`` is the dominant GEMM's shape on
-    the device (passes/shard.py ``gemm_shape``: tokens per local expert for the grouped GEMM, TP splitting N or K);
+    the device (cost_models/sharding.py ``gemm_shape``: tokens per local expert for the grouped GEMM, TP splitting N or K);
     None: the traced shape with M scaled by ``scale``.
 
     Backward assumptions (stated, not measured):

@@ -283,7 +283,7 @@ def fsdp_reshards(layout: Layout) -> bool:
     PP, do not reshard after forward", ``parallelize_llama.py``) and torch.distributed.pipelining runs every stage
     backward without gradient sync and without resharding (``PipelineStage.backward_maybe_with_nosync``:
     ``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)``), reduce-scattering once after the
-    last micro-batch (``perform_reduce_grad``): once per step, as ZeRO-1 does (passes/simulate.py
+    last micro-batch (``perform_reduce_grad``): once per step, as ZeRO-1 does (cost_models/step.py
     ``step_sync_groups``)."""
     return layout.pp == 1
 

@@ -6,10 +6,10 @@ back before the backward). This module turns one traced layer (moeplan/ir.py) un
 data, per micro-batch on one device:
 
 - a :class:`SavedTensor` per storage the layer's backward may read: each op's output that a consumer saves (a saved
-  view keeps its base's storage, as in passes/shard.py), the tensors an op keeps internally (``<op>.internal``),
+  view keeps its base's storage, as in cost_models/sharding.py), the tensors an op keeps internally (``<op>.internal``),
   and the layer's hidden input (kept or swapped, never recomputed: it is the recompute boundary, as in full
-  recompute). Bytes are passes/shard.py's: summed over the kept tensors they equal ``LayerCost.saved_bytes``.
-- a :class:`RedoOp` per op that makes a storage: the forward seconds re-running it costs (passes/shard.py's price
+  recompute). Bytes are cost_models/sharding.py's: summed over the kept tensors they equal ``LayerCost.saved_bytes``.
+- a :class:`RedoOp` per op that makes a storage: the forward seconds re-running it costs (cost_models/sharding.py's price
   of the op; for the MoE permute and unpermute also the EP dispatch or combine they wrap, as a blocking
   collective, which is what Megatron-LM's and MindSpeed's MoE recompute re-runs) and the storages it reads. The
   SP all-gathers are not charged: the backward re-gathers a sequence-parallel input for the weight gradient anyway
@@ -24,7 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
+from moeplan.cost_models.compute import runs_fp8
 from moeplan.cost_models.layer_program import moe_comm
+from moeplan.cost_models.sharding import dtype_scaled, eager, kept_scale, op_scale, saved_inputs, storage_bytes
 from moeplan.ir import LayerGraph, LayerKind, OpAnnotation, OpKind
 from moeplan.layout import Layout
 from moeplan.spec import ModelSpec
@@ -86,13 +88,10 @@ class LayerTensors:
 def layer_tensors(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Target, dispatcher: Dispatcher,
                   times: Mapping[str, tuple[float, float, float]], fp8_act_input: bool = False) -> LayerTensors:
     """:class:`LayerTensors` of ``lg`` for one micro-batch on one device; ``times``: each op's (forward, dX, dW)
-    seconds under the layout (passes/shard.py ``op_times``). Bytes are passes/shard.py's ``storage_bytes``. On a
+    seconds under the layout (cost_models/sharding.py ``op_times``). Bytes are cost_models/sharding.py's ``storage_bytes``. On a
     target with production kernels the routed experts' activation output (what their down GEMM keeps) is its own
     storage, ``<experts>.act``, made by its own op (the activation, ``moe_act``), so that it can be recomputed
     alone; moeplan's eager runtime runs the experts as one op."""
-    from moeplan.cost_models.compute import runs_fp8
-    from moeplan.passes.shard import _dtype_scaled, _eager, _saved_inputs, op_scale, storage_bytes
-
     by_name = {o.name: o for o in lg.ops}
     sb = storage_bytes(lg, layout, target, fp8_act_input)
 
@@ -101,7 +100,7 @@ def layer_tensors(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Ta
             name = by_name[name].view_of  # type: ignore[assignment]
         return name
 
-    saved = {base(n) for o in lg.ops for n in _saved_inputs(o, target)}
+    saved = {base(n) for o in lg.ops for n in saved_inputs(o, target)}
     hidden = {n for n in saved if n not in by_name}  # the layer input (placeholders other than it are token ids)
     comm = _moe_comm_s(lg, spec=spec, layout=layout, target=target, dispatcher=dispatcher)
     tensors = [SavedTensor(n, "", int(sb.outputs[n]), True) for n in sorted(hidden)]
@@ -109,8 +108,8 @@ def layer_tensors(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Ta
     for o in lg.ops:
         internal = sb.internal[o.name]
         act = 0.0
-        if o.saved_gemm_input_bytes and internal > 0 and not _eager(target):  # the routed experts' activation
-            act = min(internal, _dtype_scaled(o.saved_gemm_input_bytes, 0, target) * op_scale(o, layout)  # output
+        if o.saved_gemm_input_bytes and internal > 0 and not eager(target):  # the routed experts' activation
+            act = min(internal, dtype_scaled(o.saved_gemm_input_bytes, 0, target) * op_scale(o, layout)  # output
                       * (0.5 if runs_fp8(o, target) else 1.0))
         makes = []
         if o.view_of is None:
@@ -135,10 +134,9 @@ def layer_tensors(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Ta
 
 
 def _output_bytes(o: OpAnnotation, layout: Layout, target: Target) -> float:
-    """Bytes of ``o``'s output for one micro-batch on one device, as kept (passes/shard.py)."""
-    from moeplan.passes.shard import _dtype_scaled, _kept_scale
+    """Bytes of ``o``'s output for one micro-batch on one device, as kept (cost_models/sharding.py)."""
 
-    return _dtype_scaled(o.output_bytes, o.output_fixed_bytes, target) * _kept_scale(o, layout)
+    return dtype_scaled(o.output_bytes, o.output_fixed_bytes, target) * kept_scale(o, layout)
 
 
 def act_s(nbytes: float, target: Target) -> float:

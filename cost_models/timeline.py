@@ -47,7 +47,7 @@ the total time of its collectives and the time the compute stream waited on them
 queued on its link behind another is that other's class's), per rank and averaged,
 over the step and in the steady state (a rank's overlapped F&B pairs, from its first to its last, when the schedule
 pairs them; else the actions from its first backward to its last forward); bytes per
-class and tier; per-rank busy intervals of each tier (the DP collectives of ``passes/simulate.py`` fill their
+class and tier; per-rank busy intervals of each tier (the DP collectives of ``cost_models/step.py`` fill their
 gaps); the time compute waited on the host. Exposure: a compute segment that starts late because of a collective
 it needs charges the wait to that collective's class; a blocking collective charges the time it holds the compute
 stream; a wait for an input from another rank charges ``pp`` the part after the producer on the peer finished (the

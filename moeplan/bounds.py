@@ -20,7 +20,7 @@ what it did not simulate. Every term is something the timeline (cost_models/time
   tier's idle gaps, so the step is at least the tier's bulk seconds plus, under ``dp`` overlap, the DP collectives
   on it. (Priority transfers — PP sends, the EP count exchange — may overlap bulk ones and are left out.)
 - **DP and optimizer.** Without ``dp`` overlap the rank's DP collectives run after its last backward, and every
-  rank ends with its optimizer step (:func:`~moeplan.passes.simulate.optimizer_s`).
+  rank ends with its optimizer step (:func:`~moeplan.cost_models.step.optimizer_s`).
 
 Recompute adds forward work to the backward; :func:`plan_bound` counts the whole-layer mode the memory plan chose
 per rank (none for a per-tensor mode: recompute and swap only add time, so the bound stays one),
@@ -36,9 +36,9 @@ from typing import Sequence
 
 from moeplan.actions import placement_of, stage_rank
 from moeplan.cost_models.memory import MODES
+from moeplan.cost_models.step import dp_collectives, optimizer_s, recompute_segments
 from moeplan.ir import kind_of
 from moeplan.passes.schedule import FB_PAIRED
-from moeplan.passes.simulate import dp_collectives, optimizer_s, recompute_segments
 from moeplan.state import LayerCost, PlanState, Recompute, Segment, Strategy
 
 SPLIT_BACKWARD = frozenset({"zero-bubble", "zbv", "dualpipev"})

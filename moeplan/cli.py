@@ -288,8 +288,8 @@ def describe_cmd(model: str = typer.Argument(..., help="registry name, moeplan Y
 def simulate_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="a plan YAML of `moeplan compile`"),
                  as_json: bool = typer.Option(False, "--json", help="print the figures as JSON")) -> None:
     """Re-simulate a saved plan's decisions with freshly computed costs."""
-    from moeplan.compile import resimulate
     from moeplan.plan import MFU_DEFINITION, load_plan
+    from moeplan.replay import resimulate
 
     plan = load_plan(plan_path)
     p = resimulate(plan).prediction
@@ -443,7 +443,7 @@ def calibrate_cmd(target: str = typer.Option("cpu", "--target", help="base targe
     from pathlib import Path
 
     from moeplan.errors import TargetError
-    from moeplan.runtime.calibrate import (calibrate, calibrated_target, fit_launch_scale, fit_summary,
+    from moeplan.calibrate import (calibrate, calibrated_target, fit_launch_scale, fit_summary,
                                            scaled_target, write_target)
     from moeplan.spec import load_spec
     from moeplan.targets import load_target

@@ -17,14 +17,13 @@ from typing import Mapping
 from moeplan.actions import Placement, placement_of, stage_of, stage_rank
 from moeplan.cost_models.memory import (MODES, Overheads, RankParts, layout_states, overheads, rank_parts,
                                         state_bytes_per_param)
+from moeplan.cost_models.sharding import layer_cost
+from moeplan.cost_models.step import adam_s, beside_compute, dp_sync_s, owned_params, recompute_work, replica_reductions, step_sync_groups
 from moeplan.cost_models.timeline import action_time_s, concat_segments
 from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout
 from moeplan.passes.partition_stages import SLOT_KINDS, piece_time_s, split_runs
 from moeplan.passes.schedule import FB_PAIRED, in_flight_by_rank
-from moeplan.passes.shard import layer_cost
-from moeplan.passes.simulate import (adam_s, beside_compute, dp_sync_s, owned_params, recompute_work,
-                                     replica_reductions, step_sync_groups)
 from moeplan.state import Dispatcher, LayerCost, LayerProgram, Precision, ScheduleKind, StageMemory, Strategy
 from moeplan.targets import Target
 
@@ -253,7 +252,7 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
       (1F1B ``(pp−1)(F+B)``, interleaved ``/vpp``, the zero-bubble family ``(pp−1)(F+I−W)`` per chunk); on a
       target whose p2p messages hold the compute stream (``launch.p2p_host_s``), each micro-batch's ``4·(pp·vpp −
       1)`` SENDs and RECVs shared by the ``pp`` ranks;
-    - **DP and optimizer**: the DP collectives of the average stage (passes/simulate.py) after the last
+    - **DP and optimizer**: the DP collectives of the average stage (cost_models/step.py) after the last
       backward; under ``dp`` the reduce-scatters of the ``vpp`` chunks, each started at its chunk's last backward
       (:func:`drain_windows`), as far as they run past the rank's last backward
       (:func:`exposed_reduce_scatter_s`); then the Adam update of the locally owned parameters.

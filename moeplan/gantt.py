@@ -1,9 +1,9 @@
 """``moeplan timeline``: a plan's simulated step as a Chrome / Perfetto trace and as a Gantt + memory PNG.
 
-Source of every bar: :func:`moeplan.compile.plan_timeline`, the discrete-event simulation of one PP group's step
+Source of every bar: :func:`moeplan.replay.plan_timeline`, the discrete-event simulation of one PP group's step
 (cost_models/timeline.py; docs/step-model.md §2): an ``Event`` per executed action, a ``SegmentEvent`` per compute
 segment and collective. After the pipeline, per rank, the DP collectives the compute did not hide, the first
-forward's wait for parameters and the optimizer step, as passes/simulate.py prices them (``dp_collectives``,
+forward's wait for parameters and the optimizer step, as cost_models/step.py prices them (``dp_collectives``,
 ``dp_exposure``, ``optimizer_s``): the last bar ends at the plan's predicted step time.
 
 Trace: the JSON Object Format of the Trace Event Format
@@ -37,11 +37,11 @@ from typing import NamedTuple, Sequence
 
 from moeplan.actions import Action, OVERLAP, compute_parts, parse_action
 from moeplan.actions import action_kind
-from moeplan.compile import plan_timeline
+from moeplan.cost_models.step import dp_collectives, dp_exposure, optimizer_s
 from moeplan.cost_models.timeline import TIERS, Event, SegmentEvent, StageProgram, Timeline
 from moeplan.files import write_atomic
-from moeplan.passes.simulate import dp_collectives, dp_exposure, optimizer_s
 from moeplan.plan import Plan
+from moeplan.replay import plan_timeline
 from moeplan.state import PlanState, Segment
 
 COMPUTE, SEND, SWAP, DP = "compute", "p2p send", "swap (exposed)", "dp + optimizer"
@@ -101,7 +101,7 @@ class StepTimeline:
 
 
 def step_timeline(plan: Plan) -> StepTimeline:
-    """Simulate ``plan``'s step (:func:`moeplan.compile.plan_timeline`) and lay it out per rank and track (module
+    """Simulate ``plan``'s step (:func:`moeplan.replay.plan_timeline`) and lay it out per rank and track (module
     docstring). Raises PlanError when the schedule does not simulate."""
     state, programs, tl = plan_timeline(plan)  # the state and programs give segment metadata and the DP tail
     phases = {(s, k): p.phase(k) for s, p in enumerate(programs) for k in ("F", "B", "I", "W")}
@@ -194,7 +194,7 @@ def _send(e: Event, plan: Plan) -> Slice:
 
 def _swap_slices(r: int, segs: Sequence[SegmentEvent], state: PlanState) -> list[Slice]:
     """The swap a per-tensor memory plan leaves exposed (``exposed_swap_s`` per chunk: copy out, prefetch, seconds
-    per micro-batch): passes/simulate.py puts the copy out at the end of each forward and the prefetch at the start
+    per micro-batch): cost_models/step.py puts the copy out at the end of each forward and the prefetch at the start
     of each backward, inside the compute segments named ``swap_out`` / ``prefetch`` (or merged with them)."""
     assert state.memory is not None and state.stages is not None
     exposed = state.memory.stages[r].exposed_swap_s

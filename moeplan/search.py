@@ -46,6 +46,7 @@ from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline, run_pipeline
 from moeplan.cost_models.dispatch import hierarchical_valid
 from moeplan.cost_models.layer_program import ep_transfer, expert_group
 from moeplan.cost_models.memory import gib_text
+from moeplan.cost_models.step import norm_s
 from moeplan.cost_models.timeline import StepExceeded
 from moeplan.errors import InfeasibleError, LayoutError, PlanError
 from moeplan.estimate import (ModelCost, estimate_memory, estimate_step, layer_prices, model_cost, slot_weights,
@@ -54,7 +55,6 @@ from moeplan.ir import LayerKind, ModelGraph, named_layers
 from moeplan.layout import Layout, Rejection, check_fixed_degrees, check_layout, layout_rejection
 from moeplan.passes.partition_stages import SLOT_KINDS
 from moeplan.passes.schedule import FB_PAIRED, schedule_fits
-from moeplan.passes.simulate import norm_s
 from moeplan.state import Dispatcher, Mechanism, PlanState, Precision, ScheduleKind, Strategy
 from moeplan.targets import Target
 

@@ -419,7 +419,7 @@ def _fanout_adds(gm: torch.fx.GraphModule, hidden: str) -> int:
 
 def production_saves(ops: Sequence[OpAnnotation]) -> tuple[OpAnnotation, ...]:
     """``ops`` with the saved sets of production kernels where the traced eager ops keep more (the eager sets stay
-    in ``eager_saved_inputs``, which moeplan's runtime keeps; passes/shard.py picks by the target):
+    in ``eager_saved_inputs``, which moeplan's runtime keeps; cost_models/sharding.py picks by the target):
 
     - ``silu(gate) * up`` is one fused SwiGLU kernel that keeps its input (Megatron-LM ``bias_swiglu_impl``,
       megatron/core/fusions/fused_bias_swiglu.py): ``silu`` keeps nothing, the product keeps gate and up;

@@ -1,6 +1,6 @@
 """``moeplan inspect``'s views of a plan as rich renderables: overview, stages, memory, timeline and comm.
 
-Pure functions of the plan (and, for the timeline, of its simulated step from :func:`moeplan.compile.plan_timeline`):
+Pure functions of the plan (and, for the timeline, of its simulated step from :func:`moeplan.replay.plan_timeline`):
 the textual app (``moeplan/tui.py``) shows them one per tab and ``moeplan inspect --static`` prints them, so both
 show the same content. Nothing here imports textual. Units: seconds, bytes (shown in binary units, GiB = 2^30 B).
 """
@@ -288,14 +288,14 @@ class Gantt:
 
 
 def gantt_of(plan: Plan) -> Gantt:
-    """Simulate ``plan``'s step (:func:`moeplan.compile.plan_timeline`; seconds for a 718B plan) and bucket it into
+    """Simulate ``plan``'s step (:func:`moeplan.replay.plan_timeline`; seconds for a 718B plan) and bucket it into
     lanes: per PP rank, its compute stream (F/B/I/W actions; both parts of an OVERLAP_F_B pair as OVERLAP_F_B), each link tier its collectives and
-    p2p SENDs hold, colored by comm class (read from the stage programs, :func:`moeplan.passes.simulate.
+    p2p SENDs hold, colored by comm class (read from the stage programs, :func:`moeplan.cost_models.step.
     stage_programs`), and — when the plan has any — the exposed swap: ``memory.ranks[r].exposed_swap_s[chunk]``
     (copy out, prefetch) seconds at the end of each forward and the start of each backward of that chunk, where
-    the simulator places them (passes/simulate.py ``stage_program``)."""
+    the simulator places them (cost_models/step.py ``stage_program``)."""
     from moeplan.actions import compute_parts, parse_action
-    from moeplan.compile import plan_timeline
+    from moeplan.replay import plan_timeline
 
     _, programs, tl = plan_timeline(plan)
     pp = plan.layout.pp

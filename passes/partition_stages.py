@@ -40,10 +40,10 @@ from typing import ClassVar, Literal, Sequence
 import numpy as np
 
 from moeplan.actions import Placement, placement_of, stage_of, stage_rank
+from moeplan.cost_models.step import beside_compute
 from moeplan.cost_models.timeline import RunSettings, action_time_s
 from moeplan.errors import LayoutError
 from moeplan.ir import LayerKind, named_layers
-from moeplan.passes.simulate import beside_compute
 from moeplan.state import LayerCost, PlanState, StagePlan
 
 SLOT_KINDS = frozenset({LayerKind.DENSE, LayerKind.MOE, LayerKind.MTP})

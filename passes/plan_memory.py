@@ -27,9 +27,10 @@ from typing import ClassVar
 from moeplan.cost_models.memory import (MODES, Overheads, budget_bytes, device_memory, gib_text, in_flight_vectors,
                                         overheads, rank_parts, with_overheads)
 from moeplan.cost_models.saved_tensors import LayerTensors, layer_tensors, module_ops
+from moeplan.cost_models.sharding import op_times_s
 from moeplan.errors import InfeasibleError, PlanError
-from moeplan.memory_ilp import Group, RankProblem, choice_of, evaluate, solve, working_set
 from moeplan.ir import kind_of
+from moeplan.memory_ilp import Group, RankProblem, choice_of, evaluate, solve, working_set
 from moeplan.state import LayerCost, MemoryPlan, PlanState, Recompute, StageMemory
 from moeplan.targets import Target
 
@@ -149,8 +150,6 @@ def rank_problem(state: PlanState, rank: int, mode: Recompute, actions: tuple[st
 
 def _tensors(state: PlanState, kind, cache: dict) -> LayerTensors:  # noqa: ANN001
     if kind not in cache:
-        from moeplan.passes.shard import op_times_s
-
         lg = state.graph.layer(kind)
         cache[kind] = layer_tensors(lg, spec=state.graph.spec, layout=state.layout, target=state.target,
                                     dispatcher=state.strategy.dispatcher,

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 import moeplan.search as search_mod
 from moeplan.bounds import floors, layout_bound, piece_sums, plan_bound, water_level
+from moeplan.cost_models.step import norm_s
 from moeplan.ir import named_layers
-from moeplan.passes.simulate import norm_s
 from moeplan.search import Fixed, search
 from moeplan.spec import ModelSpec, load_spec
 from moeplan.targets import load_target

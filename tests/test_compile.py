@@ -1,11 +1,12 @@
 """The compile path end to end: the 718B Pangu layout, the search, the plan round trip."""
 import pytest
 
-from moeplan.compile import compile_model, resimulate
+from moeplan.compile import compile_model
+from moeplan.cost_models.step import beside_compute
 from moeplan.ir import named_layers
 from moeplan.passes.partition_stages import UNIFORM_TOLERANCE, min_max_partition, piece_time_s
-from moeplan.passes.simulate import beside_compute
 from moeplan.plan import load_plan, save_plan
+from moeplan.replay import resimulate
 from moeplan.search import Fixed
 from moeplan.spec import load_spec
 from moeplan.targets import load_target
@@ -147,7 +148,7 @@ def test_weight_pass_whole_backward_prices_w_as_a_second_backward():
     """A runtime whose W re-traverses the backward (the cpu emulator) has W priced as the stage's dX and dW kernels,
     in the timeline and in compare's per-action prediction; a weight-only runtime's W is the dW kernels alone."""
     from moeplan.actions import parse_action
-    from moeplan.compile import plan_timeline
+    from moeplan.replay import plan_timeline
     from moeplan.runtime.compare import predicted_rank
 
     base = load_target("cpu", devices_per_node=4).model_copy(update={"comm_compute_slowdown": 0.0})

@@ -12,9 +12,10 @@ from typer.testing import CliRunner
 
 from moeplan.actions import compute_parts
 from moeplan.cli import app
-from moeplan.compile import compile_model, plan_timeline
+from moeplan.compile import compile_model
 from moeplan.gantt import DPI, FIGSIZE_IN, step_timeline, trace_document, write_timeline
 from moeplan.plan import SCHEMA_VERSION, save_plan
+from moeplan.replay import plan_timeline
 from moeplan.search import Fixed
 from moeplan.spec import load_spec
 from moeplan.targets import load_target

@@ -6,16 +6,17 @@ import random
 
 import pytest
 
-from moeplan.compile import compile_model, resimulate
+from moeplan.compile import compile_model
 from moeplan.compiler import parse_pipeline, with_option
+from moeplan.cost_models.memory import in_flight_vectors
 from moeplan.cost_models.saved_tensors import LayerTensors, RedoOp, SavedTensor, layer_tensors
+from moeplan.cost_models.sharding import layer_cost, op_times_s
 from moeplan.errors import PlanError
 from moeplan.ir import LayerKind
 from moeplan.layout import Layout
 from moeplan.memory_ilp import Group, RankProblem, choice_of, evaluate, heuristic, solve
-from moeplan.cost_models.memory import in_flight_vectors
-from moeplan.passes.shard import layer_cost, op_times_s
 from moeplan.plan import load_plan, save_plan
+from moeplan.replay import resimulate
 from moeplan.runtime.launch import check_strategy
 from moeplan.search import Fixed
 from moeplan.spec import load_spec

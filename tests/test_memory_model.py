@@ -12,12 +12,12 @@ from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline, run_pipeline, wit
 from moeplan.cost_models.memory import (GIB, budget_bytes, comm_buffer_bytes, deepep_bytes, fsdp_gathered_bytes,
                                         fsdp_state_bytes, model_state_bytes)
 from moeplan.cost_models.saved_tensors import module_ops
+from moeplan.cost_models.step import dp_collectives, step_sync_groups
 from moeplan.errors import InfeasibleError, PlanError
 from moeplan.estimate import estimate_memory, model_cost
 from moeplan.ir import LayerKind, named_layers
 from moeplan.layout import Layout
 from moeplan.passes.plan_memory import _tensors
-from moeplan.passes.simulate import dp_collectives, step_sync_groups
 from moeplan.plan import MEMORY_TERMS
 from moeplan.search import Fixed
 from moeplan.spec import load_spec

@@ -2,6 +2,7 @@
 import pytest
 
 from moeplan.compiler import parse_pipeline, run_pipeline
+from moeplan.cost_models.sharding import op_scale
 from moeplan.cost_models.timeline import RunSettings
 from moeplan.errors import InfeasibleError, PlanError
 from moeplan.flops import flops_per_token
@@ -11,7 +12,7 @@ from moeplan.passes.partition_stages import PartitionStagesPass, piece_time_s
 from moeplan.passes.place_experts import PlaceExpertsPass
 from moeplan.passes.plan_memory import PlanMemoryPass
 from moeplan.passes.schedule import SchedulePass
-from moeplan.passes.shard import ShardPass, op_scale
+from moeplan.passes.shard import ShardPass
 from moeplan.spec import load_spec
 from moeplan.state import PlanState, Strategy
 from moeplan.targets import load_target
@@ -160,8 +161,8 @@ def test_partition_uniform_pads_with_empty_layers():
 def test_simulate_optimizer_tail_on_an_eager_target():
     """On the eager cpu target the optimizer tail adds the runtime's per-tensor and per-buffer kernels and, with
     more than one rank, the clipping norm's all-reduce; an "op" target with the same figures has neither kernels."""
+    from moeplan.cost_models import step as sim
     from moeplan.cost_models.comm import collective_time_s
-    from moeplan.passes import simulate as sim
 
     ready, _ = run_pipeline(state(pp=2), parse_pipeline("shard,partition-stages,place-experts,schedule,plan-memory"))
     op_target = CPU.model_copy(update=dict(launch=CPU.launch.model_copy(update=dict(granularity="op"))))

@@ -9,10 +9,10 @@ recompute mode per PP rank) and the schedule (number of micro-batches and sends)
   collectives); ``B`` Σ (bwd_input_s + bwd_weight_s + backward collectives), plus the forward under full recompute
   (selective recompute seconds are not in the plan); ``I`` the same without bwd_weight_s, ``W`` Σ bwd_weight_s
   (plus bwd_input_s and the backward collectives on a target whose ``runtime.weight_pass`` is ``whole-backward``);
-  summed per kind. An ``OVERLAP_F_B`` pair is the simulated pair's duration (``compile.plan_timeline``: how much of
+  summed per kind. An ``OVERLAP_F_B`` pair is the simulated pair's duration (``replay.plan_timeline``: how much of
   each half's communication hides under the other's compute is the simulation's figure);
 - ``OPTIMIZER`` = ``prediction.exposed_comm_s["dp"] + prediction.optimizer_s`` (gradient reduce-scatter, parameter
-  all-gather, Adam update: the tail after the last backward, as ``passes/simulate.py`` prices it);
+  all-gather, Adam update: the tail after the last backward, as ``cost_models/step.py`` prices it);
 - ``comm pp`` = ``prediction.exposed_comm_s["pp"]``, the simulated wait for p2p transfers; the measured figure is the
   time spent in RECV actions, which also holds the wait for the producing stage (pipeline bubble);
 - bytes per class: in-layer collectives M · Σ bytes; ``pp`` the p2p message bytes times the rank's SENDs; ``dp``
@@ -146,7 +146,7 @@ def _rank_layers(plan: Plan, pp_rank: int) -> list[str]:
 
 def predicted_rank(plan: Plan, pp_rank: int) -> dict[str, float]:
     """Predicted per-step seconds (F, B, OPTIMIZER, comm:<class>) and bytes (bytes:<class>) of one PP rank."""
-    from moeplan.compile import plan_timeline
+    from moeplan.replay import plan_timeline
     from moeplan.runtime.build import stage_ids
     from moeplan.runtime.executor import stage_layers
 

@@ -40,7 +40,7 @@ Recompute (``plan.memory.ranks[pp_rank].recompute``) through ``torch.utils.check
 ``selective`` runs each layer under a selective-checkpoint policy that saves the outputs of matmuls, embedding
 lookups and routing/dispatch index ops and recomputes the rest — norms, activation functions, elementwise ops and
 everything inside ``scaled_dot_product_attention`` (Korthikanti et al. arXiv 2205.05198 §5; MindSpeed
-``--recompute-norm`` / ``--recompute-activation-function``), the op classes ``passes/shard.py`` prices as
+``--recompute-norm`` / ``--recompute-activation-function``), the op classes ``cost_models/sharding.py`` prices as
 recomputed. Collectives inside a region are re-issued by the recompute (in-place c10d ops cannot be cached), on
 every rank of the group at the same schedule point. The per-tensor modes (``mindspeed``, ``ilp-no-swap``,
 ``ilp``) keep, re-run or swap each saved tensor as the plan decides (moeplan.runtime.activations).

@@ -214,7 +214,7 @@ def make_node_groups(layout: PlanLayout, devices_per_node: int, groups: Parallel
 
 
 #: (GroupRanks kind, comm class) of the groups the layers run collectives on; the first class wins for a member set
-#: two kinds share (passes/shard.py prices the routing statistics over tp_cp and the expert-TP gathers as EP)
+#: two kinds share (cost_models/sharding.py prices the routing statistics over tp_cp and the expert-TP gathers as EP)
 IN_LAYER_KINDS = (("cp", "cp"), ("tp", "tp"), ("tp_cp", "ep"), ("expert", "ep"), ("etp", "ep"))
 
 

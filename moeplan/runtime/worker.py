@@ -60,23 +60,23 @@ from moeplan.plan import Plan, load_plan
 from moeplan.runtime.build import LayerDict, build_rank_modules, node_group_ranks, tp_replicated_params
 from moeplan.runtime.checkpoint import load_checkpoint, newest_checkpoint, rank_state, save_checkpoint
 from moeplan.runtime.data import MicroBatch, check_tokens, global_batch, load_tokens, rank_microbatches
-from moeplan.runtime.expert_parallel import ParallelMoE, ParallelRouter
 from moeplan.runtime.executor import PipelineExecutor, has_pairs, layer_calls, rank_of
+from moeplan.runtime.expert_parallel import ParallelMoE, ParallelRouter
 from moeplan.runtime.groups import ParallelGroups, RankCoords, make_groups, make_stream_groups
-from moeplan.runtime.overlap import PairRunner
 from moeplan.runtime.launch import DIST_BACKEND, RunRequest, check_runnable, pin_to_cpu
 from moeplan.runtime.metrics import (CommTotals, RankStep, SavedActivationMeter, StepRecord, model_state_bytes,
                                      rank_step_from_vector, rank_step_vector)
-from moeplan.runtime.parallel import CommLog, all_gather_flat
 from moeplan.runtime.optimizer import (DistributedAdamW, OptimConfig, ReplicatedGrads, TiedGrads, param_entries,
                                        synced_after_backward)
+from moeplan.runtime.overlap import PairRunner
+from moeplan.runtime.parallel import CommLog, all_gather_flat
 
 #: process-group kind -> comm class of the collectives on it (ParallelGroups fields)
 
 def in_layer_classes(groups: ParallelGroups) -> dict[str, str]:
     """Process-group name -> comm class of the in-layer collectives on it (the p2p and optimizer traffic is tallied
     by the executor and optimizer themselves). ``tp_cp`` carries the micro-batch-wide routing statistics (EP) and
-    ``etp`` the expert-TP gathers (EP), as passes/shard.py prices them, and the hierarchical and dedup dispatchers'
+    ``etp`` the expert-TP gathers (EP), as cost_models/sharding.py prices them, and the hierarchical and dedup dispatchers'
     node groups (``expert_inter``, ``expert_intra``; pass :func:`layer_groups`) their exchanges (EP); the first class
     wins for a shared group."""
     out: dict[str, str] = {}

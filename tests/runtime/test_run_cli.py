@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from moeplan.plan import SCHEMA_VERSION, PlanSchedule, encode_actions, load_plan, save_plan
-from moeplan.runtime.calibrate import LOADED_BYTES, LOADED_OPS, fit_alpha_launch
+from moeplan.calibrate import LOADED_BYTES, LOADED_OPS, fit_alpha_launch
 from moeplan.runtime.checkpoint import newest_checkpoint
 from moeplan.runtime.data import stdlib_tokens
 from moeplan.targets import load_target
@@ -348,7 +348,7 @@ def test_rate_scale_divides_the_efficiencies_and_prices_growth_linearly():
     # what calibrate --fit-model relies on: a micro-batch's predicted growth from 1 to 4 sequences is linear in the
     # rate scale (launch costs cancel), and the rate scale divides the compute and memory efficiencies
     from moeplan.compile import compile_model
-    from moeplan.runtime.calibrate import predicted_actions_s, scaled_target
+    from moeplan.calibrate import predicted_actions_s, scaled_target
     from moeplan.search import Fixed
     from moeplan.spec import load_spec
 
