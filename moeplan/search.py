@@ -55,6 +55,7 @@ from moeplan.ir import LayerKind, ModelGraph, named_layers
 from moeplan.layout import Layout, Rejection, check_fixed_degrees, check_layout, layout_rejection
 from moeplan.passes.partition_stages import SLOT_KINDS
 from moeplan.passes.schedule import FB_PAIRED, schedule_fits
+from moeplan.names import MECHANISMS
 from moeplan.state import Dispatcher, Mechanism, PlanState, Precision, ScheduleKind, Strategy
 from moeplan.targets import Target
 
@@ -198,7 +199,9 @@ def _applies(mechanism: str, kind: str, layout: Layout, graph: ModelGraph, ep: b
                 and (ep or layout.tp > 1 or layout.cp > 1))
     if mechanism == "pp":
         return layout.pp > 1
-    return layout.dp * layout.cp > 1
+    if mechanism == "dp":
+        return layout.dp * layout.cp > 1
+    raise ValueError(f"overlap mechanism {mechanism!r}: unknown; the known ones are {', '.join(MECHANISMS)}")
 
 
 def _cheapest_dispatcher(layout: Layout, graph: ModelGraph, target: Target, cache: dict | None = None) -> Dispatcher:

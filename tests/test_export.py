@@ -390,3 +390,26 @@ def test_torch_runtime_on_the_csv_matches_moeplans_runtime(tmp_path):
     for r in ranks:
         assert r["grads"] and r["grads"] == r["their_grads"]
         assert r["grad_rel_diff"] < 1e-5
+
+
+def test_an_exporter_is_one_registered_function(plans, tmp_path, monkeypatch, capsys):
+    """A new format is a function registered under its ``--to`` name (moeplan/export/registry.py): the CLI exports
+    with it and lists it among the known targets, with no other file changed. An unknown name is refused."""
+    from moeplan.export import registry
+    from moeplan.export.registry import Export
+
+    monkeypatch.setattr(registry, "EXPORTERS", dict(registry.EXPORTERS))
+
+    @registry.register("layout-json", source="a test")
+    def layout_json(plan):
+        return Export("layout-json", plan.layout.model_dump_json() + "\n", ("a note",), True)
+
+    path = tmp_path / "plan.yaml"
+    save_plan(plans["pp2vpp2"], path)
+    assert _run_cli(monkeypatch, "export", str(path), "--to", "layout-json") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# moeplan export --to layout-json · a test\n") and '"pp":2' in out
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.register("layout-json", source="again")(layout_json)
+    with pytest.raises(PlanError, match=r"to='nemo': must be one of megatron, .*, layout-json"):
+        export_plan(plans["pp2vpp2"], "nemo")
