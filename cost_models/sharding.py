@@ -1,9 +1,9 @@
 """How a layout shards each layer (the ``shard`` pass's pricing): TP (+SP), EP (expert-TP or TP-extend-EP), CP
 and DP, and the collectives each implies.
 
-Per layer kind :func:`layer_cost` scales the traced per-sequence op costs to one micro-batch on one device, prices them on the
-target (compute model) and orders them with the collectives the layout implies into the layer's program
-(cost_models/layer_program.py: TP with SP, the EP dispatcher the strategy names, expert-TP, CP), which the
+Per layer kind :func:`layer_cost` scales the traced per-sequence op costs to one micro-batch on one device, prices
+them on the target (compute model) and orders them with the collectives the layout implies into the layer's
+program (cost_models/layer_program.py: TP with SP, the EP dispatcher the strategy names, expert-TP, CP), which the
 timeline simulates. PP: one micro-batch's hidden states, split over SP and CP, cross each stage boundary.
 
 Work scaling per ShardHint (moeplan/ir.py): every op scales by micro_batch / cp; TP and EXPERT ops also by 1/tp

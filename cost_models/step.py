@@ -5,8 +5,9 @@ and their exposure, and the optimizer step.
 Per pipeline stage it concatenates its layers' programs (cost_models/layer_program.py) into a
 :class:`~moeplan.cost_models.timeline.StageProgram`, with the recompute the memory plan chose: under ``full``
 recompute each layer's forward (its collectives included) runs again right before its backward; under
-``selective`` its norms, activation functions and core attention do (one compute segment). The timeline simulates these programs with the strategy's overlap mechanisms, the target's compute
-slow-down under communication and its host launch costs (:func:`run_settings`).
+``selective`` its norms, activation functions and core attention do (one compute segment). The timeline
+simulates these programs with the strategy's overlap mechanisms, the target's compute slow-down under
+communication and its host launch costs (:func:`run_settings`).
 
 Data parallelism (the distributed optimizer, ZeRO-1): per PP rank and chunk, a reduce-scatter of the gradients (in
 the recipe's gradient dtype, ``Precision.grad_dtype``) and an all-gather of the parameters (the training dtype),
