@@ -15,7 +15,8 @@ from typing import Literal, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from moeplan.actions import compute_parts, parse_action, rank_chunk, stage_of
+from moeplan.actions import (compute_parts, parse_action, placement_of, rank_chunk, stage_of, stage_rank,
+                             with_comms)
 from moeplan.errors import PlanError, validation_message
 from moeplan.files import read_yaml, write_atomic
 from moeplan.ir import kind_of, named_layers
@@ -125,6 +126,10 @@ class PlanStages(_Frozen):
     def rank_chunk(self, stage: int) -> tuple[int, int]:
         """(PP rank, chunk) of pipeline stage ``stage`` (:func:`moeplan.actions.rank_chunk`)."""
         return rank_chunk(stage, pp=len(self.chunks), placement=self.placement)
+
+    def rank_of(self, stage: int) -> int:
+        """PP rank that holds pipeline stage ``stage`` (:func:`moeplan.actions.stage_rank`)."""
+        return stage_rank(stage, pp=len(self.chunks), placement=self.placement)
 
 
 class PlanCollective(_Frozen):
@@ -361,8 +366,6 @@ def _is_p2p(action: str) -> bool:
 
 
 def _with_p2p(kind: ScheduleKind, compute: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
-    from moeplan.actions import placement_of, with_comms
-
     stages = [p.stage for acts in compute for a in acts for p in compute_parts(a)]
     return [with_comms(acts, pp=len(compute), num_stages=1 + max(stages, default=0), placement=placement_of(kind))
             for acts in compute]

@@ -14,6 +14,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
+from moeplan.actions import compute_parts, parse_action
 from moeplan.errors import PlanError
 from moeplan.flops import count_params
 from moeplan.plan import MEMORY_TERMS, Plan
@@ -294,7 +295,6 @@ def gantt_of(plan: Plan) -> Gantt:
     stage_programs`), and — when the plan has any — the exposed swap: ``memory.ranks[r].exposed_swap_s[chunk]``
     (copy out, prefetch) seconds at the end of each forward and the start of each backward of that chunk, where
     the simulator places them (cost_models/step.py ``stage_program``)."""
-    from moeplan.actions import compute_parts, parse_action
     from moeplan.replay import plan_timeline
 
     _, programs, tl = plan_timeline(plan)

@@ -30,8 +30,9 @@ Actions (torch.distributed.pipelining notation, parsed by ``cost_models.timeline
 
 What crosses a stage boundary (:class:`CarryFields`) follows from the layers before it: the main hidden state until
 ``head``; the MTP hidden state from ``mtp.0`` until the last ``mtp_head``; the running MTP loss after the first
-``mtp_head``. Stage ``s`` runs on PP rank :func:`rank_of` (``plan.stages.placement``: ``loop``, or the V of ZB-V
-and DualPipeV, where rank r holds stages r and 2·pp − 1 − r, so the first and last stage share rank 0). Shapes
+``mtp_head``. Stage ``s`` runs on PP rank ``plan.stages.rank_of(s)`` (``plan.stages.placement``: ``loop``, or
+the V of ZB-V and DualPipeV, where rank r holds stages r and 2·pp − 1 − r, so the first and last stage share rank
+0). Shapes
 come from the plan: hidden states ``[micro_batch, seq_len/(cp·tp_sp), hidden]`` (tp_sp = tp
 with sequence parallelism, else 1), the loss ``[1]``. Neighbour stages on the same rank hand over in memory.
 
@@ -115,12 +116,6 @@ def fields_after(plan: Plan, names: Sequence[str]) -> CarryFields:
                        loss=heads_done > 0 or LayerKind.HEAD in kinds)
 
 
-def rank_of(plan: Plan, stage: int) -> int:
-    """PP rank that holds pipeline stage ``stage``: ``stage % pp`` (``loop`` placement) or, for the ``v``
-    placement of ZB-V and DualPipeV, ``stage`` for ``stage < pp`` and ``2·pp − 1 − stage`` after."""
-    return plan.stages.rank_chunk(stage)[0]
-
-
 def has_pairs(plan: Plan) -> bool:
     """Whether the schedule has OVERLAP_F_B pairs (on any PP rank: the same answer on every rank)."""
     return any(a.startswith("(") for actions in plan.schedule.actions for a in actions)
@@ -128,7 +123,7 @@ def has_pairs(plan: Plan) -> bool:
 
 def stage_layers(plan: Plan, stage: int) -> list[str]:
     """Layer names of pipeline stage ``stage``: chunk ``stage // pp`` (under both placements) of PP rank
-    :func:`rank_of`."""
+    ``plan.stages.rank_of(stage)``."""
     rank, chunk = plan.stages.rank_chunk(stage)
     return list(plan.stages.chunks[rank][chunk])
 
@@ -354,7 +349,7 @@ class PipelineExecutor:
         self.actions = [parse_action(a) for a in plan.schedule.actions[pp_rank]]
         self.num_stages = plan.layout.pp * plan.layout.vpp
         self.layers = {s: [(n, kind_of(plan.model.spec, n)) for n in stage_layers(plan, s)]
-                       for s in range(self.num_stages) if rank_of(plan, s) == pp_rank}
+                       for s in range(self.num_stages) if plan.stages.rank_of(s) == pp_rank}
         missing = set(self.layers) - set(modules)
         if missing:
             raise PlanError(f"stages: pp rank {pp_rank} holds stages {sorted(self.layers)}, modules built for "
@@ -482,7 +477,7 @@ class PipelineExecutor:
         else:
             outputs = tuple(t.reshape(1) if t.dim() == 0 else t for t in carry.tensors())
         self._fwd[(stage, mb)] = _Forward(inputs=inputs, outputs=outputs)
-        if stage + 1 < self.num_stages and rank_of(self.plan, stage + 1) == self.pp_rank:
+        if stage + 1 < self.num_stages and self.plan.stages.rank_of(stage + 1) == self.pp_rank:
             self._in[(stage + 1, mb)] = outputs  # same-rank neighbour: hand over in memory
 
     def _backward(self, stage: int, mb: int, kind: str) -> None:
@@ -515,7 +510,7 @@ class PipelineExecutor:
         if stage == 0:
             return
         out = tuple(grads.get(id(t)) if grads.get(id(t)) is not None else torch.zeros_like(t) for t in inputs)
-        if rank_of(self.plan, stage - 1) == self.pp_rank:
+        if self.plan.stages.rank_of(stage - 1) == self.pp_rank:
             self._grad_out[(stage - 1, mb)] = out
         else:
             self._grad_in[(stage, mb)] = out
@@ -525,7 +520,7 @@ class PipelineExecutor:
         return ((mb * self.num_stages + stage) * 2 + direction) * 4 + index
 
     def _peer(self, stage: int) -> int:
-        return self.pp_ranks[rank_of(self.plan, stage)]
+        return self.pp_ranks[self.plan.stages.rank_of(stage)]
 
     def _send(self, tensors: Sequence[torch.Tensor], to_stage: int, stage: int, mb: int, direction: int) -> None:
         # tag by the sending stage for F (receiver's stage − 1) and by the receiving stage for B (its stage)

@@ -141,9 +141,7 @@ def check_schedule(plan: Plan) -> None:
     rank (and vice versa)."""
     lay = plan.layout
     num_stages = lay.pp * lay.vpp
-
-    def rank_of(stage: int) -> int:
-        return plan.stages.rank_chunk(stage)[0]
+    rank_of = plan.stages.rank_of
 
     counts: Counter = Counter()
     for r, actions in enumerate(plan.schedule.actions):

@@ -60,7 +60,7 @@ from moeplan.plan import Plan, load_plan
 from moeplan.runtime.build import LayerDict, build_rank_modules, node_group_ranks, tp_replicated_params
 from moeplan.runtime.checkpoint import load_checkpoint, newest_checkpoint, rank_state, save_checkpoint
 from moeplan.runtime.data import MicroBatch, check_tokens, global_batch, load_tokens, rank_microbatches
-from moeplan.runtime.executor import PipelineExecutor, has_pairs, layer_calls, rank_of
+from moeplan.runtime.executor import PipelineExecutor, has_pairs, layer_calls
 from moeplan.runtime.expert_parallel import ParallelMoE, ParallelRouter
 from moeplan.runtime.groups import ParallelGroups, RankCoords, make_groups, make_stream_groups
 from moeplan.runtime.launch import DIST_BACKEND, RunRequest, check_runnable, pin_to_cpu
@@ -180,7 +180,7 @@ def run_one_step(plan: Plan, setup: RankSetup, tokens: torch.Tensor, step: int, 
     step_s = time.perf_counter() - t0 - metering_s
     for cls, nbytes in setup.layer_log.bytes_by_class().items():
         setup.comm.add(cls, 0.0, nbytes)
-    last = rank_of(plan, lay.pp * lay.vpp - 1)  # the PP rank of the last stage (rank 0 under the V placement)
+    last = plan.stages.rank_of(lay.pp * lay.vpp - 1)  # the PP rank of the last stage (rank 0 under the V placement)
     counts = coords.pp_rank == last and coords.tp_rank == 0 and coords.cp_rank == 0
     mine = RankStep(rank=coords.rank, pp_rank=coords.pp_rank, action_s=dict(times), comm_s=dict(setup.comm.seconds),
                     comm_busy_s=dict(setup.comm.busy), comm_tier_bytes=setup.layer_log.tier_bytes_by_class(),

@@ -19,7 +19,6 @@ from moeplan.compile import compile_model
 from moeplan.errors import PlanError
 from moeplan.plan import Plan, PlanSchedule, save_plan
 from moeplan.runtime.build import stage_ids
-from moeplan.runtime.executor import rank_of
 from moeplan.runtime.launch import check_runnable
 from moeplan.search import Fixed
 from moeplan.spec import load_spec
@@ -131,7 +130,7 @@ def test_executor_runs_the_plan_order(runs, plans, name):
 def test_v_placement_stages(plans):
     plan = plans["zbv"]
     assert [stage_ids(plan, r) for r in range(2)] == [[0, 3], [1, 2]]
-    assert [rank_of(plan, s) for s in range(4)] == [0, 1, 1, 0]
+    assert [plan.stages.rank_of(s) for s in range(4)] == [0, 1, 1, 0]
     assert [stage_ids(plans["zero_bubble"], r) for r in range(2)] == [[0, 2], [1, 3]]
     assert "head" in plan.stages.chunks[0][1]  # the last stage (with the loss) is on rank 0
 
