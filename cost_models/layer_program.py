@@ -43,6 +43,7 @@ from moeplan.cost_models.comm import (all_to_all_time_s, collective_time_s, grou
 from moeplan.cost_models.dispatch import Routing, dispatch_cost
 from moeplan.ir import LayerGraph, LayerKind, OpAnnotation, OpKind, ShardHint
 from moeplan.layout import Layout
+from moeplan.mechanisms import MECHANISMS
 from moeplan.spec import ModelSpec
 from moeplan.state import CommOp, Dispatcher, LayerProgram, Segment
 from moeplan.targets import Target
@@ -359,7 +360,6 @@ def _moe_steps(ops: Sequence[OpAnnotation], prev: str, c: MoeComm, has_shared: b
     fc1 = tuple(o for o in ops if _role(o) == "shared_fc1")
     fc2 = tuple(o for o in ops if _role(o) == "shared_fc2")
     pair = c.shared_pair
-    overlap = "shared-expert" if has_shared else None
     steps = [Step("route", ops=route, after=(prev,))]
     if has_shared:
         steps += _comm_step("shared_gather", pair and pair.gather, pair and pair.scatter_grad, prev)
@@ -369,7 +369,7 @@ def _moe_steps(ops: Sequence[OpAnnotation], prev: str, c: MoeComm, has_shared: b
     steps += _comm_step("capacity_gather", c.capacity, None, "route")
     steps += _comm_step("ep_counts", c.counts, None, "capacity_gather" if c.capacity else "route", host_sync=True)
     last = steps[-1].name
-    steps += _comm_step("dispatch", c.dispatch, c.dispatch_grad, steps[-1].name, async_by=overlap)
+    steps += _comm_step("dispatch", c.dispatch, c.dispatch_grad, steps[-1].name)
     shared_in = "shared_gather" if has_shared and pair else prev
     if has_shared:
         steps.append(Step("shared_fc1", ops=fc1, after=(shared_in,), bwd_extra=pair.regather if pair else None))
@@ -380,7 +380,7 @@ def _moe_steps(ops: Sequence[OpAnnotation], prev: str, c: MoeComm, has_shared: b
     steps.append(Step("experts", ops=experts, after=tuple(feed)))
     steps += _comm_step("etp_scatter", c.etp_rows_back and c.etp_rows_back[0],
                         c.etp_rows_back and c.etp_rows_back[1], "experts")
-    steps += _comm_step("combine", c.combine, c.combine_grad, steps[-1].name, async_by=overlap)
+    steps += _comm_step("combine", c.combine, c.combine_grad, steps[-1].name)
     if has_shared:
         steps.append(Step("shared_fc2", ops=fc2, after=("shared_fc1",)))
     steps.append(Step("unpermute", ops=unpermute, after=(steps[-2].name if has_shared else steps[-1].name,)))
@@ -410,7 +410,23 @@ def _embedding_steps(ops: Sequence[OpAnnotation], pair: TpPair | None, rest: str
 
 def forward_steps(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Target,
                   dispatcher: Dispatcher) -> list[Step]:
-    """The forward steps of one layer of ``lg.kind`` (module docstring)."""
+    """The forward steps of one layer of ``lg.kind`` (module docstring), each collective an overlap mechanism hides
+    tagged with its name (:func:`beside_compute`)."""
+    return beside_compute(_layer_steps(lg, spec=spec, layout=layout, target=target, dispatcher=dispatcher))
+
+
+def beside_compute(steps: list[Step]) -> list[Step]:
+    """``steps`` with ``async_by`` set on each collective step that a registered overlap mechanism ``hides``
+    (moeplan/mechanisms.py) in a layer that has the step it hides behind: the timeline runs it beside compute when
+    that mechanism is on."""
+    names = {s.name for s in steps}
+    tags = {hidden: m.name for m in MECHANISMS.values() if m.behind is None or m.behind in names for hidden in m.hides}
+    return [replace(s, async_by=tags[s.name]) if s.name in tags and s.async_by is None and (s.comm or s.bwd) else s
+            for s in steps]
+
+
+def _layer_steps(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Target,
+                 dispatcher: Dispatcher) -> list[Step]:
     ops = lg.ops
     if not ops:
         return []

@@ -38,7 +38,7 @@ from moeplan.actions import placement_of, stage_rank
 from moeplan.cost_models.memory import MODES
 from moeplan.cost_models.step import dp_collectives, optimizer_s, recompute_segments
 from moeplan.ir import kind_of
-from moeplan.passes.schedule import FB_PAIRED
+from moeplan.mechanisms import FB_PAIRED
 from moeplan.state import LayerCost, PlanState, Recompute, Segment, Strategy
 
 SPLIT_BACKWARD = frozenset({"zero-bubble", "zbv", "dualpipev"})

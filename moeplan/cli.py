@@ -44,7 +44,8 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
 def strategy_options(*, schedule: str, dispatcher: str, overlap: str, recompute: str) -> dict:
     """Fixed-choice fields of :class:`moeplan.search.Fixed` from the CLI's strings (``auto`` leaves a choice to the
     search). Raises LayoutError naming the flag, the value and the choices."""
-    from moeplan.names import DISPATCHERS, MECHANISMS, SCHEDULES
+    from moeplan.mechanisms import MECHANISMS
+    from moeplan.names import DISPATCHERS, SCHEDULES
 
     out: dict = {"recompute": recompute}
     if recompute.startswith("modules:"):
@@ -71,7 +72,7 @@ def strategy_options(*, schedule: str, dispatcher: str, overlap: str, recompute:
             out["overlap"] = frozenset(MECHANISMS)
         else:
             for n in names:
-                _choice("overlap", n, MECHANISMS + ("none", "all", "auto"))
+                _choice("overlap", n, (*MECHANISMS, "none", "all", "auto"))
             if set(names) & {"none", "all", "auto"}:
                 raise LayoutError(f"overlap={overlap!r}: none, all and auto stand alone, not in a list")
             out["overlap"] = frozenset(names)

@@ -8,12 +8,13 @@ from dataclasses import asdict, dataclass
 
 from moeplan import __version__
 from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline
+from moeplan.mechanisms import ordered
 from moeplan.plan import (SCHEMA_VERSION, Plan, PlanCollective, PlanComm, PlanCommClass, PlanExperts, PlanLayerCost,
                           PlanLayerDecisions, PlanLayout, PlanMemory, PlanModel, PlanOpDecision, PlanPrecision,
                           PlanPrediction, PlanProvenance, PlanRankMemory, PlanSchedule, PlanSharding, PlanStages)
 from moeplan.search import Evaluated, Fixed, SearchResult, search
 from moeplan.spec import ModelSpec
-from moeplan.state import MECHANISMS, CommOp, GroupChoice
+from moeplan.state import CommOp, GroupChoice
 from moeplan.targets import Target
 from moeplan.trace import trace_model
 
@@ -98,7 +99,7 @@ def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: 
             for m in st.memory.stages]),
         schedule=PlanSchedule.of(st.schedule.kind, st.schedule.actions),
         comm=PlanComm(dispatcher=st.strategy.dispatcher,
-                      overlap=[m for m in MECHANISMS if m in st.strategy.overlap]),
+                      overlap=ordered(st.strategy.overlap)),
         prediction=PlanPrediction(step_time_s=pred.step_time_s, tokens_per_s=pred.tokens_per_s, mfu=pred.mfu,
                                   hfu=pred.hfu, bubble=pred.bubble, peak_memory_bytes=[round(b) for b in pred.peak_memory_bytes],
                                   exposed_comm_s=dict(pred.exposed_comm_s),

@@ -22,8 +22,9 @@ from moeplan.cost_models.step import adam_s, beside_compute, dp_sync_s, owned_pa
 from moeplan.cost_models.timeline import action_time_s, concat_segments
 from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout
+from moeplan.mechanisms import FB_PAIRED
 from moeplan.passes.partition_stages import SLOT_KINDS, piece_time_s, split_runs
-from moeplan.passes.schedule import FB_PAIRED, in_flight_by_rank
+from moeplan.passes.schedule import in_flight_by_rank
 from moeplan.state import Dispatcher, LayerCost, LayerProgram, Precision, ScheduleKind, StageMemory, Strategy
 from moeplan.targets import Target
 

@@ -5,7 +5,5 @@ from typing import Literal
 
 ScheduleKind = Literal["1f1b", "interleaved", "zero-bubble", "zbv", "dualpipev"]
 Dispatcher = Literal["flat", "hierarchical", "dedup"]
-Mechanism = Literal["shared-expert", "fb", "dp", "pp"]
 SCHEDULES: tuple[ScheduleKind, ...] = ("1f1b", "interleaved", "zero-bubble", "zbv", "dualpipev")
 DISPATCHERS: tuple[Dispatcher, ...] = ("flat", "hierarchical", "dedup")
-MECHANISMS: tuple[Mechanism, ...] = ("shared-expert", "fb", "dp", "pp")

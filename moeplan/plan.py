@@ -21,7 +21,8 @@ from moeplan.errors import PlanError, validation_message
 from moeplan.files import read_yaml, write_atomic
 from moeplan.ir import kind_of, named_layers
 from moeplan.layout import Layout
-from moeplan.names import Dispatcher, Mechanism, ScheduleKind
+from moeplan.mechanisms import Mechanism
+from moeplan.names import Dispatcher, ScheduleKind
 from moeplan.spec import ModelSpec
 from moeplan.targets import Target
 

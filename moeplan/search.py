@@ -54,8 +54,8 @@ from moeplan.estimate import (ModelCost, estimate_memory, estimate_step, layer_p
 from moeplan.ir import LayerKind, ModelGraph, named_layers
 from moeplan.layout import Layout, Rejection, check_fixed_degrees, check_layout, layout_rejection
 from moeplan.passes.partition_stages import SLOT_KINDS
-from moeplan.passes.schedule import FB_PAIRED, schedule_fits
-from moeplan.names import MECHANISMS
+from moeplan.passes.schedule import schedule_fits
+from moeplan.mechanisms import FB_PAIRED, mechanism
 from moeplan.state import Dispatcher, Mechanism, PlanState, Precision, ScheduleKind, Strategy
 from moeplan.targets import Target
 
@@ -183,25 +183,16 @@ def strategies(layout: Layout, *, graph: ModelGraph, target: Target, fixed: Fixe
         if fixed.overlap is not None:
             overlap = fixed.overlap
         else:
-            overlap = frozenset(m for m in caps.overlap if _applies(m, kind, layout, graph, ep))
+            overlap = frozenset(m for m in caps.mechanisms() if _applies(m, kind, layout, graph, ep))
         out.append(Strategy(schedule=kind, dispatcher=dispatcher, overlap=overlap, recompute=fixed.recompute,
                             precision=fixed.precision, recompute_modules=fixed.recompute_modules))  # type: ignore[arg-type]
     return out
 
 
-def _applies(mechanism: str, kind: str, layout: Layout, graph: ModelGraph, ep: bool) -> bool:
-    """Whether overlap ``mechanism`` has anything to overlap under schedule ``kind`` (``ep``: the layout's expert
-    group spans more than one device)."""
-    if mechanism == "shared-expert":
-        return ep and graph.spec.num_shared_experts > 0
-    if mechanism == "fb":  # a pair hides in-layer collectives only: without EP, TP or CP it has nothing to hide
-        return (kind in FB_PAIRED and layout.num_microbatches > layout.pp
-                and (ep or layout.tp > 1 or layout.cp > 1))
-    if mechanism == "pp":
-        return layout.pp > 1
-    if mechanism == "dp":
-        return layout.dp * layout.cp > 1
-    raise ValueError(f"overlap mechanism {mechanism!r}: unknown; the known ones are {', '.join(MECHANISMS)}")
+def _applies(name: str, kind: str, layout: Layout, graph: ModelGraph, ep: bool) -> bool:
+    """Whether overlap mechanism ``name`` has anything to overlap under schedule ``kind`` (``ep``: the layout's expert
+    group spans more than one device; moeplan/mechanisms.py). Raises ValueError for an unregistered name."""
+    return mechanism(name).applies(kind, layout, graph.spec, ep)
 
 
 def _cheapest_dispatcher(layout: Layout, graph: ModelGraph, target: Target, cache: dict | None = None) -> Dispatcher:
@@ -269,7 +260,7 @@ def _check_fixed(fixed: Fixed, target: Target, num_devices: int) -> None:
                           f"(ZeRO-1 only); use --dp-shard 1")
     for name, chosen, allowed in (("schedule", [fixed.schedule] if fixed.schedule else [], caps.schedules),
                                    ("dispatcher", [fixed.dispatcher] if fixed.dispatcher else [], caps.dispatchers),
-                                   ("overlap", sorted(fixed.overlap or ()), caps.overlap)):
+                                   ("overlap", sorted(fixed.overlap or ()), caps.mechanisms())):
         bad = [c for c in chosen if c not in allowed]
         if bad:
             raise LayoutError(f"{name}={bad[0]!r}: the runtime behind target {target.name} executes only "

@@ -11,7 +11,8 @@ from typing import Literal, Mapping
 from moeplan import actions
 from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout
-from moeplan.names import DISPATCHERS, MECHANISMS, SCHEDULES, Dispatcher, Mechanism, ScheduleKind  # noqa: F401
+from moeplan.mechanisms import Mechanism, ordered
+from moeplan.names import DISPATCHERS, SCHEDULES, Dispatcher, ScheduleKind  # noqa: F401
 from moeplan.targets import Target
 
 CommClass = Literal["tp", "ep", "cp", "dp", "pp"]
@@ -77,7 +78,7 @@ class Strategy:
     (cost_models/saved_tensors.py ``RECOMPUTE_MODULES``)."""
 
     def short(self) -> str:
-        on = ",".join(m for m in MECHANISMS if m in self.overlap) or "none"
+        on = ",".join(ordered(self.overlap)) or "none"
         return f"{self.schedule} {self.dispatcher} overlap={on}"
 
 

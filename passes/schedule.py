@@ -131,11 +131,6 @@ def _texts(compute: Sequence[_Compute]) -> list[str]:
     return [f"{s}{k}{m}" for k, s, m in compute]
 
 
-FB_PAIRED: frozenset[str] = frozenset({"1f1b", "interleaved", "dualpipev"})
-"""The schedules whose actions carry ``OVERLAP_F_B`` pairs under ``fb`` (module docstring); zero-bubble and ZB-V
-never pair."""
-
-
 def pair_fb(compute: Sequence[str]) -> list[str]:
     """Merge every F immediately followed by a B into one ``(F;B)OVERLAP_F_B`` action (steady state only: the
     warm-up forwards are followed by a forward, the cool-down backwards by a backward)."""

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_serializer,
+                      field_validator)
 
 from moeplan.errors import TargetError, validation_message
 from moeplan.files import read_yaml
-from moeplan.names import DISPATCHERS, MECHANISMS, SCHEDULES, Dispatcher, Mechanism, ScheduleKind
+from moeplan.mechanisms import MECHANISMS, Mechanism, runtime_mechanisms
+from moeplan.names import DISPATCHERS, SCHEDULES, Dispatcher, ScheduleKind
 
 
 # Bounds far outside any device built (docs/inputs.md): they keep every time and byte count of the cost models finite.
@@ -188,10 +190,10 @@ class RuntimeSupport(BaseModel):
     dispatchers: tuple[Dispatcher, ...] = DISPATCHERS
     """EP token dispatchers the runtime executes: ``flat`` all-to-all, MindSpeed's ``hierarchical`` all-to-all-v,
     ``dedup`` (DeepEP-style, one copy per destination node)."""
-    overlap: tuple[Mechanism, ...] = MECHANISMS
-    """Overlap mechanisms the runtime executes: ``shared-expert`` (shared experts beside dispatch/combine), ``fb``
-    (one micro-batch's forward beside another's backward), ``dp`` (gradient reduce-scatter and parameter all-gather
-    beside compute), ``pp`` (p2p beside compute)."""
+    overlap: tuple[Mechanism, ...] | Literal["all", "moeplan-runtime"] = "all"
+    """Overlap mechanisms the runtime executes (moeplan/mechanisms.py: ``shared-expert``, ``fb``, ``dp``, ``pp``):
+    a list, ``all`` (every registered one) or ``moeplan-runtime`` (those moeplan's own runtime runs); read it
+    through :meth:`mechanisms`."""
     weight_pass: Literal["weight-only", "whole-backward"] = "weight-only"
     """What a separate W action (zero-bubble, ZB-V, DualPipeV) runs: ``weight-only``, the dW kernels alone
     (Megatron-LM's and MindSpeed's zero-bubble split); ``whole-backward``, the stage's backward traversed again
@@ -212,6 +214,19 @@ class RuntimeSupport(BaseModel):
     model's weights are narrower than ``--main-params-dtype`` (Megatron-LM: an fp32 model's shard is a view);
     ``always`` (moeplan's ``DistributedAdamW`` clones its fp32 shard whatever the model's dtype,
     moeplan/runtime/optimizer.py)."""
+
+    def mechanisms(self) -> tuple[str, ...]:
+        """The overlap mechanisms this runtime executes, in registry order (:attr:`overlap`)."""
+        if self.overlap == "all":
+            return tuple(MECHANISMS)
+        if self.overlap == "moeplan-runtime":
+            return runtime_mechanisms()
+        return self.overlap
+
+    @field_serializer("overlap")
+    def _resolved(self, overlap: object) -> tuple[str, ...]:
+        """Written out resolved: a plan records the mechanisms its search could choose from."""
+        return self.mechanisms()
 
 
 class MemoryOverheads(BaseModel):

@@ -318,7 +318,7 @@ def _recompute(plan: Plan, a: _Args, runtime: str) -> None:
 def _overlap(plan: Plan, a: _Args, fb_flag: str, runtime: str) -> None:
     """Overlap mechanisms (docs/step-model.md §2): shared-expert, fb, dp as flags; pp as Megatron's p2p overlap,
     which exists only in the interleaved schedule and cannot be turned off at pp 2 (megatron/training/arguments.py
-    validate_args)."""
+    validate_args); a note for any other registered mechanism (moeplan/mechanisms.py)."""
     lay, spec, overlap = plan.layout, plan.model.spec, plan.comm.overlap
     if "shared-expert" in overlap:
         if spec.num_shared_experts:
@@ -331,6 +331,9 @@ def _overlap(plan: Plan, a: _Args, fb_flag: str, runtime: str) -> None:
         a.add("--overlap-grad-reduce")
         a.add("--overlap-param-gather")
     interleaved = lay.vpp > 1 and plan.stages.placement == "loop"
+    for mech in overlap:
+        if mech not in ("shared-expert", "fb", "dp", "pp"):
+            a.notes.append(f"comm.overlap {mech}: no {runtime} flag")
     if lay.pp > 1 and ("pp" in overlap) != interleaved:
         if interleaved and lay.pp > 2:
             a.add("--no-overlap-p2p-communication")

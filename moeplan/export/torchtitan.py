@@ -76,6 +76,8 @@ def _torchtitan(plan: Plan) -> Export:
             notes.append("comm.overlap fb: torchtitan overlaps F and B only under DualPipeV")
         elif mech in ("shared-expert", "dp", "pp"):
             notes.append(f"comm.overlap {mech}: no torchtitan key (its own defaults apply)")
+        elif mech != "fb":
+            notes.append(f"comm.overlap {mech}: no torchtitan key")
     ac = _torchtitan_ac(plan, notes)
     body = "\n".join(f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in sec.items())
                      for name, sec in (("training", training), ("parallelism", par), ("activation_checkpoint", ac)))

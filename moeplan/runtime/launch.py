@@ -4,7 +4,7 @@
 - :func:`check_runnable` refuses, with one line (PlanError), a plan the runtime cannot execute: a schedule,
   dispatcher, overlap mechanism or FP8 training it does not run yet (:func:`check_strategy`: it runs the 1F1B,
   interleaved, zero-bubble, ZB-V and DualPipeV orders, the V-placed ones included, with the overlap mechanisms of
-  :data:`RUNTIME_OVERLAP`; the flat, hierarchical and dedup dispatchers, in fp32 or bf16),
+  ``moeplan.mechanisms.runtime_mechanisms``; the flat, hierarchical and dedup dispatchers, in fp32 or bf16),
   a layout the process groups cannot realise, an action list that is not a complete, matched pipeline schedule, an
   expert placement that does not cover the experts, a device count other than the launched world, a target backend this
   machine lacks. ``load_plan`` has already checked the schema version and the plan's consistency.
@@ -34,6 +34,7 @@ from typing import Literal
 
 from moeplan.actions import parse_action
 from moeplan.errors import MoeplanError, PlanError
+from moeplan.mechanisms import runtime_mechanisms
 from moeplan.plan import Plan
 from moeplan.runtime.groups import check_layout_for_runtime
 
@@ -193,23 +194,19 @@ def check_runnable(plan: Plan, *, world_size: int | None = None, need_backend: b
         check_backend(plan.target.backend)
 
 
-#: the overlap mechanisms the runtime executes (fb: moeplan.runtime.overlap; pp: receives posted early, executor;
-#: dp: per-stage gradient reduce-scatters posted as each stage's backward ends, optimizer; shared-expert: the shared
-#: experts beside the token all-to-all, expert_parallel)
-RUNTIME_OVERLAP = frozenset({"fb", "pp", "dp", "shared-expert"})
-
-
 def check_strategy(plan: Plan) -> None:
     """Raise PlanError for what moeplan's runtime does not execute yet (module docstring), naming the compile flag
     that plans without it."""
     if plan.comm.dispatcher not in ("flat", "hierarchical", "dedup"):
         raise PlanError(f"comm.dispatcher={plan.comm.dispatcher!r}: the runtime has the flat, hierarchical and dedup "
                         f"dispatchers; compile with --dispatcher flat")
-    missing = [m for m in plan.comm.overlap if m not in RUNTIME_OVERLAP]
+    runs = runtime_mechanisms()  # fb: moeplan.runtime.overlap; pp: receives posted early, executor; dp: per-stage
+    # gradient reduce-scatters posted as each stage's backward ends, optimizer; shared-expert: expert_parallel
+    missing = [m for m in plan.comm.overlap if m not in runs]
     if missing:
         raise PlanError(f"comm.overlap={plan.comm.overlap!r}: the runtime does not run {', '.join(missing)} "
-                        f"(it runs {', '.join(sorted(RUNTIME_OVERLAP))}); compile with --overlap "
-                        f"{','.join(m for m in plan.comm.overlap if m in RUNTIME_OVERLAP) or 'none'}")
+                        f"(it runs {', '.join(sorted(runs))}); compile with --overlap "
+                        f"{','.join(m for m in plan.comm.overlap if m in runs) or 'none'}")
     if plan.target.training_dtype == "fp8":
         raise PlanError("target.training_dtype='fp8': the runtime has no FP8 GEMMs; compile with --training-dtype bf16")
     if plan.layout.dp_shard > 1:
