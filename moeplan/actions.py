@@ -37,6 +37,21 @@ class Action(NamedTuple):
     microbatch: int
     parts: tuple["Action", ...] = ()
 
+    def __str__(self) -> str:
+        """The action in the plan's notation: ``parse_action(str(a)) == a``."""
+        if self.kind == OVERLAP:
+            return f"({self.parts[0]};{self.parts[1]}){OVERLAP}"
+        return f"{self.stage}{self.kind}{self.microbatch if self.microbatch >= 0 else ''}"
+
+
+def pair(forward: str, backward: str) -> str:
+    """The ``OVERLAP_F_B`` action of a forward and a backward action (raises PlanError if they are not an F and a
+    B)."""
+    f, b = parse_action(forward), parse_action(backward)
+    if (f.kind, b.kind) != ("F", "B"):
+        raise PlanError(f"action=({forward};{backward}): an {OVERLAP} pair is an F then a B")
+    return str(Action(-1, OVERLAP, -1, (f, b)))
+
 
 @functools.lru_cache(maxsize=1 << 18)
 def parse_action(text: str) -> Action:
@@ -79,9 +94,9 @@ def with_comms(compute: Sequence[str], *, pp: int, num_stages: int, placement: P
             here = stage_rank(p.stage, pp=pp, placement=placement)
             d = "F" if p.kind == "F" else "B"
             if 0 <= peer_in < num_stages and stage_rank(peer_in, pp=pp, placement=placement) != here:
-                recvs.append(f"{p.stage}RECV_{d}{p.microbatch}")
+                recvs.append(str(Action(p.stage, f"RECV_{d}", p.microbatch)))
             if 0 <= peer_out < num_stages and stage_rank(peer_out, pp=pp, placement=placement) != here:
-                sends.append(f"{p.stage}SEND_{d}{p.microbatch}")
+                sends.append(str(Action(p.stage, f"SEND_{d}", p.microbatch)))
         out += recvs + [text] + sends
     return tuple(out)
 

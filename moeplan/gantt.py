@@ -35,8 +35,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from moeplan.actions import Action, OVERLAP, compute_parts, parse_action
-from moeplan.actions import action_kind
+from moeplan.actions import OVERLAP, action_kind, compute_parts, parse_action
 from moeplan.cost_models.step import dp_collectives, dp_exposure, optimizer_s
 from moeplan.cost_models.timeline import TIERS, Event, SegmentEvent, StageProgram, Timeline
 from moeplan.files import write_atomic
@@ -126,15 +125,11 @@ def step_timeline(plan: Plan) -> StepTimeline:
                         step_s=step)
 
 
-def _label(part: Action) -> str:
-    return f"{part.stage}{part.kind}{part.microbatch}"
-
-
 def _compute_slices(r: int, actions: Sequence[str], segs: Sequence[SegmentEvent],
                     events: Sequence[Event]) -> list[Slice]:
     """One ``action`` slice per computing action of rank ``r`` (the window rule of the module docstring) and one
     ``segment`` child per compute segment; ``segs`` sorted by start (the compute stream runs one at a time)."""
-    owner = {_label(p): text for text in actions for p in compute_parts(text)}
+    owner = {str(p): text for text in actions for p in compute_parts(text)}
     ends = {e.action: e for e in events if e.stream == "compute"}
     first: dict[str, float] = {}
     for s in segs:
@@ -143,7 +138,7 @@ def _compute_slices(r: int, actions: Sequence[str], segs: Sequence[SegmentEvent]
     for text in actions:  # an action without compute segments (a W with no weights): a zero-length slice
         parts = compute_parts(text)
         if parts and text not in first:
-            at = ends[_label(parts[0])].start_s
+            at = ends[str(parts[0])].start_s
             out.append(Slice(r, COMPUTE, text, "action", at, at, _action_args(text, ends)))
     starts = sorted((t, text) for text, t in first.items())
     j = 0
@@ -169,7 +164,7 @@ def _action_args(text: str, ends: dict[str, Event]) -> dict:
     return {"kind": parts[0].kind if one else OVERLAP,
             "stage": parts[0].stage if one else [p.stage for p in parts],
             "micro_batch": parts[0].microbatch if one else [p.microbatch for p in parts],
-            "part_end_ms": {_label(p): ends[_label(p)].end_s * 1e3 for p in parts}}
+            "part_end_ms": {str(p): ends[str(p)].end_s * 1e3 for p in parts}}
 
 
 def _collective(s: SegmentEvent, phases: dict[tuple[int, str], tuple[Segment, ...]]) -> Slice:

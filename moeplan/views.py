@@ -14,7 +14,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from moeplan.actions import compute_parts, parse_action
+from moeplan.actions import OVERLAP, compute_parts, parse_action
 from moeplan.errors import PlanError
 from moeplan.flops import count_params
 from moeplan.plan import MEMORY_TERMS, Plan
@@ -301,8 +301,8 @@ def gantt_of(plan: Plan) -> Gantt:
     pp = plan.layout.pp
     spans: dict[tuple[int, str, str], list[tuple[float, float]]] = {}
     p2p_tiers = plan.sharding.p2p.tier.split("+")
-    paired = {(r, f"{p.stage}{p.kind}{p.microbatch}") for r, acts in enumerate(plan.schedule.actions)
-              for a in acts if a.startswith("(") for p in compute_parts(a)}  # parts of OVERLAP_F_B pairs
+    paired = {(r, str(p)) for r, acts in enumerate(plan.schedule.actions)
+              for a in acts if parse_action(a).kind == OVERLAP for p in compute_parts(a)}  # parts of OVERLAP_F_B pairs
     for e in tl.events:  # a pair's parts are two events that overlap in time
         if e.stream == "compute":
             kind = "OVERLAP_F_B" if (e.rank, e.action) in paired else parse_action(e.action).kind

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar, Sequence
 
-from moeplan.actions import OVERLAP, action_kind, compute_parts, placement_of, stage_of, with_comms
+from moeplan.actions import (OVERLAP, Action, action_kind, compute_parts, pair, parse_action, placement_of, stage_of,
+                             with_comms)
 from moeplan.cost_models.memory import peak_live_bytes, vectors_of
 from moeplan.errors import LayoutError, PlanError
 from moeplan.state import PlanState, Schedule, ScheduleKind
@@ -128,7 +129,7 @@ def torch_compute_order(kind: ScheduleKind, pp: int, vpp: int, num_microbatches:
 
 
 def _texts(compute: Sequence[_Compute]) -> list[str]:
-    return [f"{s}{k}{m}" for k, s, m in compute]
+    return [str(Action(s, k, m)) for k, s, m in compute]
 
 
 def pair_fb(compute: Sequence[str]) -> list[str]:
@@ -139,7 +140,7 @@ def pair_fb(compute: Sequence[str]) -> list[str]:
     while i < len(compute):
         a = compute[i]
         if i + 1 < len(compute) and action_kind(a) == "F" and action_kind(compute[i + 1]) == "B":
-            out.append(f"({a};{compute[i + 1]}){OVERLAP}")
+            out.append(pair(a, compute[i + 1]))
             i += 2
         else:
             out.append(a)
@@ -151,7 +152,7 @@ def split_fb(compute: Sequence[str]) -> list[str]:
     """Run each OVERLAP_F_B pair as its F, then its B."""
     out: list[str] = []
     for a in compute:
-        out += [f"{p.stage}{p.kind}{p.microbatch}" for p in compute_parts(a)] if a.startswith("(") else [a]
+        out += [str(p) for p in compute_parts(a)] if parse_action(a).kind == OVERLAP else [a]
     return out
 
 

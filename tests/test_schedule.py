@@ -1,10 +1,11 @@
 """Pass ``schedule``: action lists cross-checked against torch.distributed.pipelining's own generators."""
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.schedules import _Action, _simulate_comms_compute
 
-from moeplan.actions import parse_action
-from moeplan.actions import placement_of, stage_of, stage_rank
+from moeplan.actions import NOOP_KINDS, Action, pair, parse_action, placement_of, stage_of, stage_rank
 from moeplan.errors import LayoutError, PlanError
 from moeplan.ir import ModelGraph
 from moeplan.layout import Layout
@@ -219,3 +220,18 @@ def test_in_flight_vectors_stop_changing_past_the_cap(kind, vpps):
                     full = tuple(in_flight_vectors(actions[r], [stage_of(r, c, pp=pp, placement=placement_of(kind))
                                                                 for c in range(vpp)]) for r in range(pp))
                     assert in_flight_by_rank(kind, pp=pp, vpp=vpp, num_microbatches=m, fb=fb) == full, (pp, vpp, m)
+
+
+_KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", *NOOP_KINDS)
+
+
+@given(st.integers(0, 999), st.sampled_from(_KINDS), st.integers(0, 99_999), st.integers(0, 999), st.integers(0, 9_999))
+def test_one_grammar_both_ways(stage, kind, mb, stage2, mb2):
+    """Every action the plan, the schedule, the simulator and the executor read prints back to its own text
+    (``Action.__str__`` is ``parse_action``'s inverse), an OVERLAP_F_B pair included."""
+    a = Action(stage, kind, -1 if kind in NOOP_KINDS else mb)
+    assert parse_action(str(a)) == a and str(parse_action(str(a))) == str(a)
+    text = pair(str(Action(stage, "F", mb)), str(Action(stage2, "B", mb2)))
+    assert text == f"({stage}F{mb};{stage2}B{mb2})OVERLAP_F_B" and str(parse_action(text)) == text
+    with pytest.raises(PlanError, match="an OVERLAP_F_B pair is an F then a B"):
+        pair(str(Action(stage, "B", mb)), str(Action(stage2, "F", mb2)))

@@ -6,7 +6,7 @@ import csv
 import io
 from collections import defaultdict
 
-from moeplan.actions import compute_parts
+from moeplan.actions import OVERLAP, compute_parts, parse_action
 from moeplan.export.registry import Export, register
 from moeplan.plan import Plan
 
@@ -44,7 +44,7 @@ def _torch_pipelining(plan: Plan) -> Export:
              f"...)._load_csv(path, format='compute_comms'); {lay.pp * lay.vpp} stages, "
              f"{plan.stages.placement} placement, layers per stage as in the plan's stages; REDUCE_GRAD added "
              f"after each stage's last backward"]
-    if any("OVERLAP_F_B" in a for row in plan.schedule.actions for a in row):
+    if any(parse_action(a).kind == OVERLAP for row in plan.schedule.actions for a in row):
         notes.append("OVERLAP_F_B: the runtime runs a pair's F and B one after the other unless a function is "
                      "registered for it (register_custom_function), so the plan's fb overlap is not reproduced")
     return Export("torch-pipelining", out.getvalue(), tuple(notes), False)

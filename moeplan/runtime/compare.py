@@ -172,7 +172,7 @@ def predicted_rank(plan: Plan, pp_rank: int) -> dict[str, float]:
     pairs = []
     for a in map(parse_action, plan.schedule.actions[pp_rank]):
         if a.parts:
-            pairs.append([f"{p.stage}{p.kind}{p.microbatch}" for p in a.parts])
+            pairs.append([str(p) for p in a.parts])
         elif (a.kind, a.stage) in per_action:
             out[a.kind] += per_action[(a.kind, a.stage)]
     if pairs:  # only the simulation knows how much of a pair's communication hides under the other half

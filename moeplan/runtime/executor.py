@@ -67,7 +67,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from moeplan.actions import Action, parse_action
+from moeplan.actions import OVERLAP, Action, parse_action
 from moeplan.errors import PlanError
 from moeplan.ir import LayerKind, kind_of
 from moeplan.models import DEFAULT_MTP_WEIGHT
@@ -118,7 +118,7 @@ def fields_after(plan: Plan, names: Sequence[str]) -> CarryFields:
 
 def has_pairs(plan: Plan) -> bool:
     """Whether the schedule has OVERLAP_F_B pairs (on any PP rank: the same answer on every rank)."""
-    return any(a.startswith("(") for actions in plan.schedule.actions for a in actions)
+    return any(parse_action(a).kind == OVERLAP for actions in plan.schedule.actions for a in actions)
 
 
 def stage_layers(plan: Plan, stage: int) -> list[str]:
