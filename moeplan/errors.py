@@ -11,7 +11,12 @@ class MoeplanError(Exception):
 
 
 class SpecError(MoeplanError, ValueError):
-    """A model spec, config file or registry name is invalid."""
+    """A model spec, config file or registry name is invalid; ``reason``: the rule broken, without this spec's
+    figures (``moeplan explore`` counts rejected architectures by it), when a spec rule raised it, else None."""
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class TargetError(MoeplanError, ValueError):

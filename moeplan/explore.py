@@ -27,11 +27,11 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from moeplan.errors import LayoutError, MoeplanError, SpecError
+from moeplan.errors import MoeplanError, SpecError
 from moeplan.files import read_yaml
 from moeplan.flops import count_params, flops_per_token
 from moeplan.ir import LayerKind, ModelGraph, named_layers
-from moeplan.layout import Layout
+from moeplan.layout import Layout, layout_rejection
 from moeplan.spec import ModelSpec, load_spec
 from moeplan.state import Strategy
 from moeplan.targets import Target
@@ -190,8 +190,16 @@ class Architectures:
     combinations: int
 
 
-def _reason(err: Exception) -> str:
-    return re.sub(r"\d+(\.\d+)?", "N", str(err).split(":", 1)[-1]).strip()
+def _spec_reason(err: SpecError | ValidationError) -> str:
+    """What a combination broke, without its figures (what :class:`Architectures` counts by): the spec rule's
+    ``reason``, or the field and pydantic's message for a field constraint."""
+    if isinstance(err, ValidationError):
+        first = err.errors()[0]
+        cause = first.get("ctx", {}).get("error")
+        if not isinstance(cause, SpecError):
+            return f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+        err = cause
+    return err.reason or str(err)
 
 
 def architectures(space: Space) -> Architectures:
@@ -221,7 +229,7 @@ def architectures(space: Space) -> Architectures:
         try:
             spec = ModelSpec.model_validate(upd)
         except (SpecError, ValidationError) as e:
-            rejected[_reason(e if isinstance(e, SpecError) else SpecError(e.errors()[0]["msg"]))] += 1
+            rejected[_spec_reason(e)] += 1
             continue
         pc = count_params(spec)
         for rng, n, what in ((cons.total_params_b, pc.total, "total"), (cons.activated_params_b, pc.activated,
@@ -325,7 +333,7 @@ def _screen_group(task: tuple[list[tuple[int, ModelSpec]], list[tuple[Layout, St
     from moeplan.passes.partition_stages import SLOT_KINDS
     from moeplan.cost_models.memory import budget_bytes
     from moeplan.estimate import estimate_memory, estimate_step, model_cost, slot_weights, stage_params, static_bytes
-    from moeplan.search import _shape_key, check
+    from moeplan.search import _shape_key
 
     group, shortlist, target, num_devices = task
     budget = budget_bytes(target)
@@ -343,11 +351,11 @@ def _screen_group(task: tuple[list[tuple[int, ModelSpec]], list[tuple[Layout, St
         reasons: Counter = Counter()
         bounded = []  # (lower bound: every rank as loaded as the balanced share, ...): estimate_step's load=1
         for lay, st in shortlist:
-            try:
-                check(lay, graph=graph, num_devices=num_devices, devices_per_node=target.devices_per_node,
-                      num_slots=len(slots))
-            except LayoutError as e:
-                reasons[e.rejection.summary if e.rejection is not None else _reason(e)] += 1
+            rejection = layout_rejection(lay, num_devices=num_devices, devices_per_node=target.devices_per_node,
+                                         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                                         num_experts=spec.num_experts, num_layer_slots=len(slots))
+            if rejection is not None:
+                reasons[rejection.summary] += 1
                 continue
             pkey = (lay.tp, lay.pp, lay.ep)
             params = params_of.get(pkey) or params_of.setdefault(pkey, stage_params(lay, graph, counts))

@@ -151,16 +151,16 @@ class ModelSpec(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
         _require(self.num_dense_layers <= self.num_layers, "num_dense_layers", self.num_dense_layers,
-                 f"must be <= num_layers ({self.num_layers})")
+                 "must be <= num_layers", f" ({self.num_layers})")
         _require(self.hidden_size % self.num_heads == 0, "hidden_size", self.hidden_size,
-                 f"must be divisible by num_heads ({self.num_heads})")
+                 "must be divisible by num_heads", f" ({self.num_heads})")
         if self.num_dense_layers:
             _require(self.dense_ffn_size > 0, "dense_ffn_size", self.dense_ffn_size, "must be > 0 with dense layers")
         if self.attention == "gqa":
             _require(self.num_kv_heads > 0 and self.head_dim > 0, "num_kv_heads", self.num_kv_heads,
                      "gqa needs num_kv_heads > 0 and head_dim > 0")
             _require(self.num_heads % self.num_kv_heads == 0, "num_heads", self.num_heads,
-                     f"must be divisible by num_kv_heads ({self.num_kv_heads})")
+                     "must be divisible by num_kv_heads", f" ({self.num_kv_heads})")
         else:
             for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 _require(getattr(self, f) > 0, f, getattr(self, f), "must be > 0 for mla attention")
@@ -173,23 +173,23 @@ class ModelSpec(BaseModel):
     def _check_moe(self) -> None:
         _require(self.num_experts > 0, "num_experts", self.num_experts, "must be > 0 with MoE or MTP layers")
         _require(0 < self.top_k <= self.num_experts, "top_k", self.top_k,
-                 f"must be in 1..num_experts ({self.num_experts})")
+                 "must be in 1..num_experts", f" ({self.num_experts})")
         _require(self.moe_ffn_size > 0, "moe_ffn_size", self.moe_ffn_size, "must be > 0 with MoE layers")
         _require((self.num_shared_experts > 0) == (self.shared_ffn_size > 0), "shared_ffn_size", self.shared_ffn_size,
                  "must be > 0 exactly when num_shared_experts > 0")
         if self.routing != "topk":
             g = self.num_expert_groups
             _require(self.num_experts % g == 0, "num_expert_groups", g,
-                     f"must divide num_experts ({self.num_experts})")
+                     "must divide num_experts", f" ({self.num_experts})")
         if self.routing == "moge":
             _require(self.top_k % self.num_expert_groups == 0, "top_k", self.top_k,
-                     f"MoGE needs top_k divisible by num_expert_groups ({self.num_expert_groups})")
+                     "MoGE needs top_k divisible by num_expert_groups", f" ({self.num_expert_groups})")
         if self.routing == "group_limited":
             _require(self.topk_groups <= self.num_expert_groups, "topk_groups", self.topk_groups,
-                     f"must be <= num_expert_groups ({self.num_expert_groups})")
+                     "must be <= num_expert_groups", f" ({self.num_expert_groups})")
         if self.capacity_factor is not None:
             _require(self.capacity_factor <= self.num_experts, "capacity_factor", self.capacity_factor,
-                     f"must be <= num_experts ({self.num_experts}): from num_experts / top_k on, every expert "
+                     "must be <= num_experts", f" ({self.num_experts}): from num_experts / top_k on, every expert "
                      f"keeps every token routed to it")
 
     def _check_size(self) -> None:
@@ -199,7 +199,8 @@ class ModelSpec(BaseModel):
         params = pc.total + pc.mtp + pc.mtp_copies
         if params > MAX_PARAMS:
             raise SpecError(f"parameters={params:.3g}: a model may have at most 1e+14 (100 trillion); reduce "
-                            f"num_experts, moe_ffn_size, hidden_size, num_layers or vocab_size (docs/inputs.md)")
+                            f"num_experts, moe_ffn_size, hidden_size, num_layers or vocab_size (docs/inputs.md)",
+                            reason="parameters above 1e+14")
         s = self.seq_len
         sizes = [(self.num_heads * s * s, "num_heads·seq_len² (attention scores)"),
                  (s * self.vocab_size, "seq_len·vocab_size (logits)"),
@@ -212,7 +213,8 @@ class ModelSpec(BaseModel):
         n, what = max(sizes)
         if n > MAX_ACTIVATION:
             raise SpecError(f"seq_len={s}: the largest activation of one sequence, {what}, would hold {n:.3g} "
-                            f"elements; at most 2^56 = {MAX_ACTIVATION:.3g} (docs/inputs.md)")
+                            f"elements; at most 2^56 = {MAX_ACTIVATION:.3g} (docs/inputs.md)",
+                            reason=f"{what} above 2^56 elements")
 
     # ---- derived sizes -------------------------------------------------------------------------------------
     @property
@@ -242,9 +244,11 @@ class ModelSpec(BaseModel):
         return _build(upd, source="command line")
 
 
-def _require(ok: bool, field: str, value: object, rule: str) -> None:
+def _require(ok: bool, field: str, value: object, rule: str, figures: str = "") -> None:
+    """Raise SpecError ``{field}={value}: {rule}{figures}`` unless ``ok``; its ``reason`` is ``{field} {rule}``
+    (``figures``: this spec's numbers the rule compares against)."""
     if not ok:
-        raise SpecError(f"{field}={value!r}: {rule}")
+        raise SpecError(f"{field}={value!r}: {rule}{figures}", reason=f"{field} {rule}")
 
 
 def _build(data: dict, *, source: str) -> ModelSpec:

@@ -73,6 +73,15 @@ def test_bad_space_is_one_line_exit_2_and_nothing_written(tmp_path, data, needle
         load_space(space)
 
 
+def test_rejected_combinations_are_counted_by_the_rule_not_its_figures(tmp_path):
+    """top_k 8 breaks "top_k must be in 1..num_experts" for 4 and for 6 experts: one reason, both counted, no
+    figures in it (SpecError.reason, not a pattern over the message)."""
+    space = load_space(write(tmp_path, edited(choices__num_experts=[4, 6, 8], choices__top_k=[2, 8],
+                                              choices__hidden_size=[64], constraints__multiple_of={})))
+    archs = architectures(space)
+    assert archs.rejected == {"top_k must be in 1..num_experts": 4 * 2}
+
+
 def test_architectures_build_count_and_filter(tmp_path):
     space = load_space(write(tmp_path, edited(constraints__activated_params_b=[0.0001, 1.0])))
     archs = architectures(space)
