@@ -19,7 +19,7 @@ from moeplan.errors import SpecError
 from moeplan.plan import MEMORY_TERMS
 from moeplan.render import plural, shape_sources
 from moeplan.runtime.compare import BUSY_SHARE, busy_warning, compare
-from moeplan.runtime.metrics import HostLoad, RankStep, StepRecord
+from moeplan.runtime.metrics import HostLoad, LoadMeter, RankStep, StepRecord
 from moeplan.spec import load_spec, registry_names
 from moeplan.targets import target_names
 
@@ -188,13 +188,15 @@ def test_compare_cli_prints_the_warning_on_stderr(pp2_plan, tmp_path):
 
 
 def test_metrics_record_cpu_time_and_host_load():
-    RankStep(rank=0, pp_rank=0, action_s={}, comm_s={}, comm_bytes={}, peak_saved_bytes=1)  # start the interval
+    load = LoadMeter()  # starts the interval
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < 0.2:
         pass
-    step = RankStep(rank=0, pp_rank=0, action_s={}, comm_s={}, comm_bytes={}, peak_saved_bytes=1)
+    step = RankStep(rank=0, pp_rank=0, action_s={}, comm_s={}, comm_bytes={}, peak_saved_bytes=1,
+                    cpu_s=load.cpu_s())
     assert 0 < step.cpu_s <= time.perf_counter() - t0 + 0.02
-    record = StepRecord(step=1, loss=1.0, step_time_s=0.2, tokens_per_s=1.0, grad_norm=1.0, ranks=(step,))
+    record = StepRecord(step=1, loss=1.0, step_time_s=0.2, tokens_per_s=1.0, grad_norm=1.0, ranks=(step,),
+                        host=load.host())
     if sys.platform == "linux":
         assert record.host is not None and record.host.cpus >= 1 and record.host.busy_cpu_s >= 0
     assert StepRecord.from_json(record.to_json()) == record
@@ -202,6 +204,8 @@ def test_metrics_record_cpu_time_and_host_load():
     del old["host"], old["ranks"][0]["cpu_s"]
     legacy = StepRecord.from_json(json.dumps(old))
     assert legacy.host is None and legacy.ranks[0].cpu_s == -1
+    unmeasured = RankStep(rank=0, pp_rank=0, action_s={}, comm_s={}, comm_bytes={}, peak_saved_bytes=1)
+    assert unmeasured.cpu_s == -1  # nothing is read unless a LoadMeter is
 
 
 def test_nested_hf_config_is_named_unsupported(tmp_path):

@@ -23,7 +23,8 @@ class, and the JSON line each step writes.
 - How busy the machine was (for ``moeplan compare``'s warning): every :class:`RankStep` records its process's CPU
   seconds since the previous one (``time.process_time``, all threads), and every :class:`StepRecord` the machine's
   CPU accounting since the previous one (:class:`HostLoad`: busy and stolen CPU-seconds from ``/proc/stat``, the
-  1-minute load average). Both are taken when the record is built, at the end of the step.
+  1-minute load average). Both are read from the rank's :class:`LoadMeter` (made with the rank's setup, which holds
+  the previous readings) when the record is built, at the end of the step.
 """
 from __future__ import annotations
 
@@ -260,15 +261,9 @@ class _Since:
         return None if now is None or last is None else tuple(a - b for a, b in zip(now, last))
 
 
-_PROCESS_CPU = _Since(lambda: (time.process_time(),))
-
-
 def _host_reading() -> tuple[float, float, float] | None:
     stat = _proc_stat()
     return None if stat is None else (time.perf_counter(), stat[0], stat[1])
-
-
-_HOST = _Since(_host_reading)
 
 
 @dataclass(frozen=True)
@@ -286,11 +281,26 @@ class HostLoad:
     load_1m: float
     local_ranks: int | None
 
-    @staticmethod
-    def measure() -> "HostLoad | None":
-        """The figures since the previous call in this process (since import, for the first); None without
-        /proc/stat (not Linux)."""
-        delta, stat = _HOST(), _proc_stat()
+
+class LoadMeter:
+    """How busy this process and its machine were between two readings (see the module docstring): each reading
+    covers the time since the previous one of its kind (since the meter was made, for the first). The meter owns
+    its last readings, so two meters (two runs in one process, a test) do not share an interval."""
+
+    def __init__(self) -> None:
+        self._cpu = _Since(lambda: (time.process_time(),))
+        self._host = _Since(_host_reading)
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system, all threads) this process used since the previous call: a RankStep's
+        ``cpu_s``."""
+        delta = self._cpu()
+        assert delta is not None  # time.process_time always reads
+        return delta[0]
+
+    def host(self) -> HostLoad | None:
+        """The machine's :class:`HostLoad` since the previous call; None without /proc/stat (not Linux)."""
+        delta, stat = self._host(), _proc_stat()
         if delta is None or stat is None:
             return None
         local = os.environ.get("LOCAL_WORLD_SIZE")
@@ -311,9 +321,10 @@ class RankStep:
     comm_bytes: Mapping[str, int]
     peak_saved_bytes: int
     peak_host_bytes: int = 0  # swapped activations held on the host (moeplan.runtime.activations)
-    cpu_s: float = field(default_factory=lambda: _PROCESS_CPU()[0])
-    """CPU seconds (user + system, all threads) this rank's process used since it built its previous RankStep (since
-    the module was imported, for the first): about one step; -1 where unknown (metrics written before the field)."""
+    cpu_s: float = -1.0
+    """CPU seconds (user + system, all threads) this rank's process used since its previous RankStep
+    (:meth:`LoadMeter.cpu_s`; since the rank's setup, for the first): about one step; -1 where unknown (metrics
+    written before the field)."""
     comm_busy_s: Mapping[str, float] = field(default_factory=dict)
     """Seconds per comm class that its collectives were in flight (``comm_s`` is the part the compute stream waited
     for); a class missing here was synchronous: busy = comm_s."""
@@ -376,8 +387,8 @@ def rank_step_from_vector(v: torch.Tensor) -> RankStep:
 @dataclass(frozen=True)
 class StepRecord:
     """One JSON line of ``--metrics``: the step (1-based), its loss, wall time and throughput, every rank's
-    measurements (``ranks``, ordered by global rank) and how busy rank 0's machine was (``host``, measured when the
-    record is built; None where unknown)."""
+    measurements (``ranks``, ordered by global rank) and how busy rank 0's machine was (``host``,
+    :meth:`LoadMeter.host` when the record is built; None where unknown)."""
 
     step: int
     loss: float
@@ -385,7 +396,7 @@ class StepRecord:
     tokens_per_s: float
     grad_norm: float
     ranks: tuple[RankStep, ...]
-    host: HostLoad | None = field(default_factory=HostLoad.measure)
+    host: HostLoad | None = None
 
     @property
     def metered(self) -> bool:

@@ -64,8 +64,8 @@ from moeplan.runtime.executor import PipelineExecutor, has_pairs, layer_calls
 from moeplan.runtime.expert_parallel import ParallelMoE, ParallelRouter
 from moeplan.runtime.groups import ParallelGroups, RankCoords, make_groups, make_stream_groups
 from moeplan.runtime.launch import DIST_BACKEND, RunRequest, check_runnable, pin_to_cpu
-from moeplan.runtime.metrics import (CommTotals, RankStep, SavedActivationMeter, StepRecord, model_state_bytes,
-                                     rank_step_from_vector, rank_step_vector)
+from moeplan.runtime.metrics import (CommTotals, LoadMeter, RankStep, SavedActivationMeter, StepRecord,
+                                     model_state_bytes, rank_step_from_vector, rank_step_vector)
 from moeplan.runtime.optimizer import (DistributedAdamW, OptimConfig, ReplicatedGrads, TiedGrads, param_entries,
                                        synced_after_backward)
 from moeplan.runtime.overlap import PairRunner
@@ -118,12 +118,16 @@ class RankSetup:
     comm: CommTotals
     layer_log: CommLog
     meter: SavedActivationMeter
+    load: LoadMeter
+    """How busy this process and its machine were since the previous step record (since the setup began, for the
+    first): each record's ``cpu_s`` and ``host``."""
 
 
 def setup_rank(plan: Plan, request: RunRequest, *, device: torch.device, aux_loss_coeff: float = 0.0) -> RankSetup:
     """Collective: groups, this rank's modules (moeplan.runtime.build), executor and optimizer. ``aux_loss_coeff``:
     the MoE load-balance loss weight (moeplan.models.MoEModel's; 0 there too by default), its gradient scaled like
     the executor's ``1/num_microbatches`` loss scale."""
+    load = LoadMeter()  # the first step's CPU and host figures include the setup
     rank, lay = dist.get_rank(), plan.layout
     timeout = timedelta(seconds=request.timeout_s)
     coords, groups = make_groups(lay, rank, timeout=timeout)
@@ -150,7 +154,7 @@ def setup_rank(plan: Plan, request: RunRequest, *, device: torch.device, aux_los
                                 localize=lambda mb: _to(mb, device),
                                 call=layer_calls(plan, coords.pp_rank, meter, modules, device), device=device,
                                 pairs=pairs, grads_ready=optimizer.grads_ready if "dp" in plan.comm.overlap else None)
-    return RankSetup(coords, groups, modules, executor, optimizer, ties, replicated, comm, layer_log, meter)
+    return RankSetup(coords, groups, modules, executor, optimizer, ties, replicated, comm, layer_log, meter, load)
 
 
 def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
@@ -186,7 +190,7 @@ def run_one_step(plan: Plan, setup: RankSetup, tokens: torch.Tensor, step: int, 
                     comm_busy_s=dict(setup.comm.busy), comm_tier_bytes=setup.layer_log.tier_bytes_by_class(),
                     comm_bytes=dict(setup.comm.nbytes), peak_saved_bytes=setup.meter.peak_bytes if metered else -1,
                     peak_host_bytes=setup.meter.host_peak_bytes, params_bytes=states[0], grads_bytes=states[1],
-                    optimizer_bytes=states[2])
+                    optimizer_bytes=states[2], cpu_s=setup.load.cpu_s())
     extra = torch.tensor([loss_sum / lay.num_microbatches / lay.dp if counts else 0.0, step_s], dtype=torch.float64)
     vec = torch.cat([rank_step_vector(mine), extra]).to(_comm_device(plan))
     gathered = torch.empty(dist.get_world_size() * vec.numel(), dtype=vec.dtype, device=vec.device)
@@ -195,7 +199,7 @@ def run_one_step(plan: Plan, setup: RankSetup, tokens: torch.Tensor, step: int, 
     step_time = float(rows[:, -1].max())
     return StepRecord(step=step + 1, loss=float(rows[:, -2].sum()), step_time_s=step_time,
                       tokens_per_s=lay.global_batch * lay.seq_len / step_time, grad_norm=norm,
-                      ranks=tuple(rank_step_from_vector(r[:-2]) for r in rows))
+                      ranks=tuple(rank_step_from_vector(r[:-2]) for r in rows), host=setup.load.host())
 
 
 def measure_model_states(setup: RankSetup) -> tuple[int, int, int]:
