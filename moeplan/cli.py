@@ -15,6 +15,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from moeplan.cli_options import PIPELINE_HELP, choice, integer, positive, strategy_options
 from moeplan.errors import InfeasibleError, LayoutError, MoeplanError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -28,68 +29,6 @@ Gantt over every column), so they get a fixed width instead; 200 holds the views
 Ascend 910B) without a wrapped or truncated cell."""
 out = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else PIPE_WIDTH)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-PIPELINE_HELP = ("compiler passes in order, comma-separated, each with options in braces: shard, partition-stages, "
-                 "place-experts, schedule, plan-memory, simulate (the default, in this order); e.g. "
-                 "'shard,partition-stages{layer_layout=free},place-experts,schedule,plan-memory,simulate'")
-
-
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise LayoutError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
-    return value
-
-
-def strategy_options(*, schedule: str, dispatcher: str, overlap: str, recompute: str) -> dict:
-    """Fixed-choice fields of :class:`moeplan.search.Fixed` from the CLI's strings (``auto`` leaves a choice to the
-    search). Raises LayoutError naming the flag, the value and the choices."""
-    from moeplan.mechanisms import MECHANISMS
-    from moeplan.names import DISPATCHERS, SCHEDULES
-
-    out: dict = {"recompute": recompute}
-    if recompute.startswith("modules:"):
-        from moeplan.cost_models.saved_tensors import MODULE_ALIASES, RECOMPUTE_MODULES
-
-        names = [MODULE_ALIASES.get(n.strip(), n.strip()) for n in recompute.split(":", 1)[1].split(",") if n.strip()]
-        if not names:
-            raise LayoutError(f"recompute={recompute!r}: modules: needs a comma list of {', '.join(RECOMPUTE_MODULES)}")
-        for n in names:
-            _choice("recompute module", n, tuple(RECOMPUTE_MODULES))
-        out.update(recompute="modules", recompute_modules=tuple(sorted(set(names))))
-    else:
-        _choice("recompute", recompute, ("auto", "none", "selective", "full", "mindspeed", "ilp-no-swap", "ilp",
-                                         "modules:<list>"))
-    if schedule != "auto":
-        out["schedule"] = _choice("schedule", schedule, SCHEDULES + ("auto",))
-    if dispatcher != "auto":
-        out["dispatcher"] = _choice("dispatcher", dispatcher, DISPATCHERS + ("auto",))
-    if overlap != "auto":
-        names = [n.strip() for n in overlap.split(",") if n.strip()]
-        if names == ["none"]:
-            out["overlap"] = frozenset()
-        elif names == ["all"]:
-            out["overlap"] = frozenset(MECHANISMS)
-        else:
-            for n in names:
-                _choice("overlap", n, (*MECHANISMS, "none", "all", "auto"))
-            if set(names) & {"none", "all", "auto"}:
-                raise LayoutError(f"overlap={overlap!r}: none, all and auto stand alone, not in a list")
-            out["overlap"] = frozenset(names)
-    return out
-
-
-def _integer(name: str, text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise LayoutError(f"{name}={text!r}: must be a positive integer or auto") from None
-
-
-def _positive(name: str, value: Optional[int]) -> Optional[int]:
-    if value is not None and value < 1:
-        raise LayoutError(f"{name}={value}: must be a positive integer")
-    return value
 
 
 @app.command("compile")
@@ -169,16 +108,16 @@ def compile_cmd(
                     ("vpp", vpp), ("ep", ep), ("etp", etp), ("cp", cp), ("micro_batch", micro_batch),
                     ("global_batch", global_batch), ("seq_len", seq_len), ("top", top),
                     ("candidates", candidates)):
-        _positive(name, v)
+        positive(name, v)
     if output:
         check_output(output)  # before the work: a compile does not end in a refusal to write
     spec = load_spec(model).with_shape(seq_len=seq_len, global_batch=global_batch)
-    tgt = load_target(target, devices_per_node=devices_per_node, training_dtype=_choice(
+    tgt = load_target(target, devices_per_node=devices_per_node, training_dtype=choice(
         "training_dtype", training_dtype, ("bf16", "fp16", "fp32", "fp8")) if training_dtype else None)
-    shard = None if dp_shard in (None, "auto") else _positive("dp_shard", _integer("dp_shard", dp_shard))
-    precision = Precision(grad_dtype=_choice("grad_dtype", grad_dtype, ("fp32", "bf16")),
-                          main_params_dtype=_choice("main_params_dtype", main_params_dtype, ("fp32", "bf16", "fp16")),
-                          moments_dtype=_choice("optimizer_dtype", optimizer_dtype, ("fp32", "bf16")),
+    shard = None if dp_shard in (None, "auto") else positive("dp_shard", integer("dp_shard", dp_shard))
+    precision = Precision(grad_dtype=choice("grad_dtype", grad_dtype, ("fp32", "bf16")),
+                          main_params_dtype=choice("main_params_dtype", main_params_dtype, ("fp32", "bf16", "fp16")),
+                          moments_dtype=choice("optimizer_dtype", optimizer_dtype, ("fp32", "bf16")),
                           distributed_optimizer=distributed_optimizer, fp8_activation_input=fp8_activation_input)
     fixed = Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
                   cp=cp, micro_batch=micro_batch, dp_shard=shard, search_fsdp=dp_shard == "auto", precision=precision,
@@ -236,7 +175,7 @@ def explore_cmd(
     from moeplan.targets import load_target
 
     for name, v in (("devices", devices), ("top", top), ("workers", workers)):
-        _positive(name, v)
+        positive(name, v)
     if verify < 0:
         raise LayoutError(f"verify={verify}: must be >= 0")
     space = load_space(space_path)
@@ -276,7 +215,7 @@ def describe_cmd(model: str = typer.Argument(..., help="registry name, moeplan Y
     from moeplan.render_describe import describe_json, render_describe
     from moeplan.spec import load_spec
 
-    _positive("seq_len", seq_len)
+    positive("seq_len", seq_len)
     spec = load_spec(model).with_shape(seq_len=seq_len)
     d = describe_model(spec, seq_len=spec.seq_len)
     if as_json:
@@ -352,7 +291,7 @@ def run_cmd(
                                         torchrun_command, under_torchrun)
 
     for name, v in (("steps", steps), ("devices", devices), ("meter_every", meter_every)):
-        _positive(name, v)
+        positive(name, v)
     if checkpoint_every < 0 or timeout <= 0 or lr <= 0:
         raise PlanError(f"checkpoint_every={checkpoint_every}, timeout={timeout}, lr={lr}: checkpoint_every must be "
                         f">= 0, timeout and lr > 0")
@@ -417,7 +356,7 @@ def compare_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="the p
     from moeplan.runtime.compare import (busy_warning, comm_class_rows, compare, read_records, render_comm_classes,
                                          render_rows, rows_json)
 
-    _positive("first_step", first_step)
+    positive("first_step", first_step)
     plan = load_plan(plan_path)
     records = read_records(metrics_path)
     rows = compare(plan, records, first_step=first_step)
