@@ -464,7 +464,8 @@ def measure_runtime_fb_s(plans: dict[int, Plan], *, rounds: int = FIT_ROUNDS, st
     compare`` takes them."""
     from moeplan.plan import save_plan
     from moeplan.runtime.compare import read_records
-    from moeplan.runtime.launch import RunRequest, launch_local
+    from moeplan.runtime.launch import launch_local
+    from moeplan.runtime.request import RunRequest
 
     samples: dict[int, list[tuple[float, float]]] = {key: [] for key in plans}
     with tempfile.TemporaryDirectory(prefix="moeplan-calibrate-") as tmp:

@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from moeplan.cli_options import PIPELINE_HELP, choice, integer, positive, strategy_options
+from moeplan.cli_options import PIPELINE_HELP, choice, integer, positive, run_request, strategy_options
 from moeplan.errors import InfeasibleError, LayoutError, MoeplanError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -287,27 +287,17 @@ def run_cmd(
     from moeplan.errors import PlanError
     from moeplan.plan import load_plan
     from moeplan.runtime.data import BYTE_VOCAB, check_tokens, file_tokens
-    from moeplan.runtime.launch import (RunFailed, RunInterrupted, RunRequest, check_runnable, launch_local,
-                                        torchrun_command, under_torchrun)
+    from moeplan.runtime.launch import (RunFailed, RunInterrupted, check_runnable, launch_local, torchrun_command,
+                                        under_torchrun)
 
     for name, v in (("steps", steps), ("devices", devices), ("meter_every", meter_every)):
         positive(name, v)
-    if checkpoint_every < 0 or timeout <= 0 or lr <= 0:
-        raise PlanError(f"checkpoint_every={checkpoint_every}, timeout={timeout}, lr={lr}: checkpoint_every must be "
-                        f">= 0, timeout and lr > 0")
-    if (checkpoint_every or resume) and not checkpoint_dir:
-        raise PlanError("checkpoint_dir=None: --checkpoint-every and --resume need --checkpoint-dir")
+    request = run_request(plan_path, steps=steps, metrics=metrics, data=data, checkpoint_every=checkpoint_every,
+                          checkpoint_dir=checkpoint_dir, resume=resume, seed=seed, lr=lr, timeout=timeout,
+                          meter_every=meter_every, force_balanced_routing=force_balanced_routing, no_pin=no_pin)
     plan = load_plan(plan_path)
     if devices is not None and devices != plan.layout.num_devices:
         raise PlanError(f"layout.num_devices={plan.layout.num_devices}: the plan is not for --devices {devices}")
-
-    def absolute(path: Optional[str]) -> Optional[str]:  # the printed command may run in another directory
-        return os.path.abspath(path) if path else None
-
-    request = RunRequest(plan=absolute(plan_path), steps=steps, metrics=absolute(metrics), data=absolute(data),
-                         checkpoint_every=checkpoint_every, checkpoint_dir=absolute(checkpoint_dir), resume=resume,
-                         seed=seed, lr=lr, timeout_s=timeout, meter_every=meter_every,
-                         force_balanced_routing=force_balanced_routing, no_pin=no_pin)
     if resume:  # refused here in one line, not by a traceback per rank (under torchrun too)
         from moeplan.runtime.checkpoint import check_layout, newest_checkpoint
 
@@ -318,7 +308,7 @@ def run_cmd(
         from moeplan.runtime.worker import run_rank
 
         check_runnable(plan, world_size=int(os.environ["WORLD_SIZE"]))
-        raise typer.Exit(run_rank(request.argv()))
+        raise typer.Exit(run_rank(request))
     if print_command or plan.target.backend != "cpu":
         check_runnable(plan, need_backend=False)
         command = torchrun_command(plan, request)

@@ -1,14 +1,19 @@
 """The option values of the ``moeplan`` command line (moeplan.cli): checked, and turned into what the commands pass
-on (the search's fixed choices).
+on (the search's fixed choices, the run request).
 
-A refused value raises a one-line ``LayoutError`` (a ``ValueError`` subclass of MoeplanError) naming the option, the
-value and the rule, which the command line reports with exit 2 (docs/architecture.md §8.7).
+A refused value raises a one-line ``ValueError`` subclass of MoeplanError naming the option, the value and the rule
+(``LayoutError``, or ``PlanError`` for ``moeplan run``'s), which the command line reports with exit 2
+(docs/architecture.md §8.7).
 """
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import TYPE_CHECKING, Optional
 
-from moeplan.errors import LayoutError
+from moeplan.errors import LayoutError, PlanError
+
+if TYPE_CHECKING:
+    from moeplan.runtime.request import RunRequest
 
 PIPELINE_HELP = ("compiler passes in order, comma-separated, each with options in braces: shard, partition-stages, "
                  "place-experts, schedule, plan-memory, simulate (the default, in this order); e.g. "
@@ -74,3 +79,26 @@ def positive(name: str, value: Optional[int]) -> Optional[int]:
         raise LayoutError(f"{name}={value}: must be a positive integer")
     return value
 
+
+def run_request(plan_path: str, *, steps: int, metrics: Optional[str], data: Optional[str], checkpoint_every: int,
+                checkpoint_dir: Optional[str], resume: bool, seed: int, lr: float, timeout: float, meter_every: int,
+                force_balanced_routing: bool, no_pin: bool) -> RunRequest:
+    """The :class:`RunRequest` of ``moeplan run``'s options, its paths made absolute (the printed torchrun command
+    may run in another directory). Raises PlanError for a negative ``checkpoint_every``, a ``timeout`` or ``lr``
+    that is not positive, and checkpoints asked for without ``checkpoint_dir``; ``steps`` and ``meter_every`` are
+    the caller's to check (:func:`positive`)."""
+    from moeplan.runtime.request import RunRequest  # pydantic: not imported for the other commands
+
+    if checkpoint_every < 0 or timeout <= 0 or lr <= 0:
+        raise PlanError(f"checkpoint_every={checkpoint_every}, timeout={timeout}, lr={lr}: checkpoint_every must be "
+                        f">= 0, timeout and lr > 0")
+    if (checkpoint_every or resume) and not checkpoint_dir:
+        raise PlanError("checkpoint_dir=None: --checkpoint-every and --resume need --checkpoint-dir")
+
+    def absolute(path: Optional[str]) -> Optional[str]:
+        return os.path.abspath(path) if path else None
+
+    return RunRequest(plan=os.path.abspath(plan_path), steps=steps, metrics=absolute(metrics), data=absolute(data),
+                      checkpoint_every=checkpoint_every, checkpoint_dir=absolute(checkpoint_dir), resume=resume,
+                      seed=seed, lr=lr, timeout_s=timeout, meter_every=meter_every,
+                      force_balanced_routing=force_balanced_routing, no_pin=no_pin)

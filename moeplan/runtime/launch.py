@@ -8,14 +8,16 @@
   a layout the process groups cannot realise, an action list that is not a complete, matched pipeline schedule, an
   expert placement that does not cover the experts, a device count other than the launched world, a target backend this
   machine lacks. ``load_plan`` has already checked the schema version and the plan's consistency.
-- :func:`launch_local` starts ``num_devices`` processes of :mod:`moeplan.runtime.worker` on this machine with
-  torch.distributed's own elastic launcher (what ``torchrun --standalone`` runs: c10d rendezvous on localhost, no
-  restarts, ``OMP_NUM_THREADS=1`` per rank, each rank bound to its own core by the worker: :func:`pin_to_cpu`).
+- :func:`launch_local` starts ``num_devices`` processes of :mod:`moeplan.runtime.worker` on this machine, each given
+  the :class:`~moeplan.runtime.request.RunRequest` as one JSON argument, with torch.distributed's own elastic
+  launcher (what ``torchrun --standalone`` runs: c10d rendezvous on localhost, no restarts, ``OMP_NUM_THREADS=1``
+  per rank, each rank bound to its own core by the worker: :func:`pin_to_cpu`).
   If a rank dies (signal or exception), the agent stops the others and :class:`RunFailed` names the first failed
   rank. A signal to the launcher (Ctrl-C: SIGINT to the whole process group) stops every rank and raises
   :class:`RunInterrupted`; the ranks themselves exit quietly (:func:`moeplan.runtime.worker.exit_on_interrupt`).
 - :func:`torchrun_command` is the command to run on every node for a ``cuda``/``npu`` target (or for any target,
-  ``moeplan run --print-command``); it runs ``moeplan run`` with the same options on every rank.
+  ``moeplan run --print-command``); it runs ``moeplan run`` with the same options on every rank
+  (:meth:`RunRequest.cli_args <moeplan.runtime.request.RunRequest.cli_args>`).
 
 Backends by target: ``cpu`` → gloo, ``cuda`` → nccl, ``npu`` → hccl (``torch_npu``, imported lazily; untested).
 """
@@ -29,7 +31,6 @@ import sys
 import tempfile
 import uuid
 from collections import Counter
-from dataclasses import dataclass, fields
 from typing import Literal
 
 from moeplan.actions import parse_action
@@ -37,9 +38,9 @@ from moeplan.errors import MoeplanError, PlanError
 from moeplan.mechanisms import runtime_mechanisms
 from moeplan.plan import Plan
 from moeplan.runtime.groups import check_layout_for_runtime
+from moeplan.runtime.request import RunRequest
 
 DIST_BACKEND = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-DEFAULT_TIMEOUT_S = 60.0
 
 
 class RunFailed(MoeplanError):
@@ -59,60 +60,6 @@ class RunInterrupted(RunFailed):
                  f"no complete checkpoint under {checkpoint_dir}" if checkpoint_dir else "no --checkpoint-dir")
         super().__init__(f"interrupted by {sig.name}; every rank was stopped; {where}")
         self.exit_code = 128 + sig.value
-
-
-@dataclass(frozen=True)
-class RunRequest:
-    """What ``moeplan run`` asks every rank to do; passed to the workers as command-line arguments, spelled as
-    ``moeplan run`` spells its options (``timeout_s`` is ``--timeout``), so that one argument list serves both the
-    worker and the ``torchrun ... -m moeplan.cli run`` command."""
-
-    plan: str
-    steps: int
-    metrics: str | None = None
-    data: str | None = None
-    checkpoint_every: int = 0
-    checkpoint_dir: str | None = None
-    resume: bool = False
-    seed: int = 0
-    lr: float = 1e-3
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    meter_every: int = 1
-    force_balanced_routing: bool = False
-    """Benchmarking switch that changes training: every router picks its experts from random scores
-    (moeplan.runtime.expert_parallel.ParallelRouter), so routing is balanced as the plan assumes."""
-    no_pin: bool = False
-    """On the ``cpu`` backend, leave the ranks free to move between cores (:func:`pin_to_cpu` is skipped)."""
-
-    def argv(self) -> list[str]:
-        """The plan path, then every set field as its ``moeplan run`` option (``--checkpoint-every 2``)."""
-        out = [self.plan]
-        for f in fields(self)[1:]:
-            value = getattr(self, f.name)
-            if isinstance(value, bool):
-                out += [_option(f.name)] if value else []
-            elif value is not None:
-                out += [_option(f.name), str(value)]
-        return out
-
-    @staticmethod
-    def parse(argv: list[str]) -> "RunRequest":
-        """Inverse of :meth:`argv`."""
-        convert = {"steps": int, "checkpoint_every": int, "seed": int, "lr": float, "timeout_s": float,
-                   "meter_every": int}
-        field = {_option(f.name): f.name for f in fields(RunRequest)}
-        values: dict[str, object] = {"plan": argv[0]}
-        it = iter(argv[1:])
-        for flag in it:
-            name = field[flag]
-            flag_only = isinstance(getattr(RunRequest, name, None), bool)
-            values[name] = True if flag_only else convert.get(name, str)(next(it))
-        return RunRequest(**values)
-
-
-def _option(name: str) -> str:
-    """The ``moeplan run`` option of a RunRequest field."""
-    return "--timeout" if name == "timeout_s" else "--" + name.replace("_", "-")
 
 
 def pin_to_cpu(local_rank: int, local_world: int) -> int | None:
@@ -247,7 +194,7 @@ def torchrun_command(plan: Plan, request: RunRequest) -> str:
     if rest:
         raise PlanError(f"layout.num_devices={plan.layout.num_devices}: not a multiple of target.devices_per_node="
                         f"{per_node}; torchrun starts the same number of ranks on every node")
-    args = " ".join(shlex.quote(a) for a in request.argv())
+    args = " ".join(shlex.quote(a) for a in request.cli_args())
     return (f"torchrun --nnodes {nnodes} --nproc-per-node {per_node} --rdzv-backend c10d "
             f'--rdzv-endpoint "${{MASTER_ADDR:-localhost}}:${{MASTER_PORT:-29500}}" -m moeplan.cli run {args}')
 
@@ -314,7 +261,9 @@ def launch_local(plan: Plan, request: RunRequest) -> None:
                                   run_id=str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint="localhost:0",
                                   max_restarts=0, monitor_interval=0.1, start_method="spawn",
                                   logs_specs=DefaultLogsSpecs(log_dir=logs))
-            elastic_launch(config, entrypoint=sys.executable)("-m", "moeplan.runtime.worker", *request.argv())
+            # the request as one JSON argument (moeplan.runtime.request): the worker validates it back
+            elastic_launch(config, entrypoint=sys.executable)("-m", "moeplan.runtime.worker",
+                                                              request.model_dump_json())
     except ChildFailedError as e:
         raise RunFailed(_failure_line(e)) from None
     except SignalException as e:

@@ -1,8 +1,10 @@
-"""The per-rank entry point of ``moeplan run`` (``python -m moeplan.runtime.worker PLAN --steps N ...``).
+"""The per-rank entry point of ``moeplan run`` (``python -m moeplan.runtime.worker REQUEST``, REQUEST the
+:class:`~moeplan.runtime.request.RunRequest` as JSON).
 
-Started by :func:`moeplan.runtime.launch.launch_local` (one process per emulated device) or by ``torchrun`` on a
-cluster; reads RANK / WORLD_SIZE / LOCAL_RANK from the environment, initialises the process group of the plan's
-backend (gloo, nccl or hccl) with an explicit timeout, and :func:`train` runs the steps.
+Started by :func:`moeplan.runtime.launch.launch_local` (one process per emulated device), or run in-process by
+``moeplan run`` under ``torchrun`` on a cluster (:func:`run_rank` with the request it built); reads RANK /
+WORLD_SIZE / LOCAL_RANK from the environment, initialises the process group of the plan's backend (gloo, nccl or
+hccl) with an explicit timeout, and :func:`train` runs the steps.
 
 One step: the global batch of the step (moeplan.runtime.data) → this rank's micro-batches → the action list
 (:class:`~moeplan.runtime.executor.PipelineExecutor`) → one TP all-reduce of the TP-replicated parameters'
@@ -63,13 +65,14 @@ from moeplan.runtime.data import MicroBatch, check_tokens, global_batch, load_to
 from moeplan.runtime.executor import PipelineExecutor, has_pairs, layer_calls
 from moeplan.runtime.expert_parallel import ParallelMoE, ParallelRouter
 from moeplan.runtime.groups import ParallelGroups, RankCoords, make_groups, make_stream_groups
-from moeplan.runtime.launch import DIST_BACKEND, RunRequest, check_runnable, pin_to_cpu
+from moeplan.runtime.launch import DIST_BACKEND, check_runnable, pin_to_cpu
 from moeplan.runtime.metrics import (CommTotals, LoadMeter, RankStep, SavedActivationMeter, StepRecord,
                                      model_state_bytes, rank_step_from_vector, rank_step_vector)
 from moeplan.runtime.optimizer import (DistributedAdamW, OptimConfig, ReplicatedGrads, TiedGrads, param_entries,
                                        synced_after_backward)
 from moeplan.runtime.overlap import PairRunner
 from moeplan.runtime.parallel import CommLog, all_gather_flat
+from moeplan.runtime.request import RunRequest
 
 #: process-group kind -> comm class of the collectives on it (ParallelGroups fields)
 
@@ -294,12 +297,17 @@ def _progress(total: int, start: int):
     return progress, update
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of one rank; returns the exit code (0, or 2 for a plan refused here)."""
+def main(request: RunRequest | None = None) -> int:
+    """Entry point of one rank; returns the exit code (0, or 2 for a plan refused here). ``request``: what to run;
+    None reads it from this process's one argument, the request as JSON (what launch_local passes)."""
     from moeplan.errors import MoeplanError
 
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    request = RunRequest.parse(sys.argv[1:] if argv is None else argv)
+    if request is None:
+        if len(sys.argv) != 2:
+            print("usage: python -m moeplan.runtime.worker REQUEST (a RunRequest as JSON)", file=sys.stderr)
+            return 2
+        request = RunRequest.model_validate_json(sys.argv[1])
     try:
         plan = load_plan(request.plan)
         world = int(os.environ["WORLD_SIZE"])
@@ -348,11 +356,11 @@ class AtomicErrorHandler(ErrorHandler):
                 "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}))
 
 
-def run_rank(argv: list[str] | None = None) -> int | None:
+def run_rank(request: RunRequest | None = None) -> int | None:
     """:func:`main` as one rank of a torch elastic run (``moeplan run`` locally, or ``torchrun``): an exception is
     reported in the agent's error file (:class:`AtomicErrorHandler`) and re-raised; SIGINT exits quietly."""
     exit_on_interrupt()
-    return record(main, error_handler=AtomicErrorHandler())(argv)
+    return record(main, error_handler=AtomicErrorHandler())(request)
 
 
 if __name__ == "__main__":

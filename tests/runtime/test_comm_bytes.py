@@ -20,8 +20,8 @@ from moeplan.compile import compile_model
 from moeplan.plan import save_plan
 from moeplan.runtime.compare import read_records
 from moeplan.runtime.expert_parallel import ParallelRouter
-from moeplan.runtime.launch import RunRequest
 from moeplan.runtime.metrics import RankStep, StepRecord, rank_step_from_vector, rank_step_vector
+from moeplan.runtime.request import RunRequest
 from moeplan.search import Fixed
 from moeplan.spec import load_spec
 from moeplan.targets import load_target
@@ -119,9 +119,9 @@ def test_forced_balanced_routing_ignores_the_input_and_passes_the_gradient():
 
 def test_run_request_carries_the_switch():
     request = RunRequest(plan="p.yaml", steps=3, force_balanced_routing=True)
-    assert "--force-balanced-routing" in request.argv()
-    assert RunRequest.parse(request.argv()) == request
-    assert RunRequest.parse(RunRequest(plan="p.yaml", steps=3).argv()).force_balanced_routing is False
+    assert "--force-balanced-routing" in request.cli_args()
+    assert RunRequest.model_validate_json(request.model_dump_json()) == request
+    assert "--force-balanced-routing" not in RunRequest(plan="p.yaml", steps=3).cli_args()
 
 
 def test_tier_bytes_survive_the_gather_and_the_jsonl():

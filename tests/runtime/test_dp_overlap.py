@@ -45,7 +45,7 @@ def train_and_log(on: str, off: str, tp2: str, data: str, ckpt: str) -> dict:
 
     from moeplan.plan import load_plan
     from moeplan.runtime import optimizer
-    from moeplan.runtime.launch import RunRequest
+    from moeplan.runtime.request import RunRequest
     from moeplan.runtime.worker import train
 
     torch.set_num_threads(1)

@@ -92,7 +92,7 @@ def train_plans(paths: list[str], steps: int, data: str) -> list[list[float]]:
     import torch.distributed as dist
 
     from moeplan.plan import load_plan
-    from moeplan.runtime.launch import RunRequest
+    from moeplan.runtime.request import RunRequest
     from moeplan.runtime.worker import train
 
     torch.set_num_threads(1)

@@ -86,7 +86,7 @@ def train_and_capture(path: str, legacy: bool, steps: int, data: str) -> dict:
     from moeplan.runtime.build import rank_parameters
     from moeplan.runtime.data import load_tokens
     from moeplan.runtime.expert_parallel import ParallelRouter
-    from moeplan.runtime.launch import RunRequest
+    from moeplan.runtime.request import RunRequest
     from moeplan.runtime.worker import run_one_step, setup_rank
 
     plan = load_plan(path)

@@ -120,7 +120,8 @@ def test_cuda_plan_prints_the_torchrun_command(pp2, monkeypatch, capsys):
     path = _edited(pp2, "cuda", lambda d: d["target"].update(backend="cuda", devices_per_node=8))
     code, _, stdout = run_in_process(monkeypatch, capsys, "run", path, "--steps", "7", "--seed", "3")
     assert code == 0
-    from moeplan.runtime.launch import RunRequest, torchrun_command
+    from moeplan.runtime.launch import torchrun_command
+    from moeplan.runtime.request import RunRequest
 
     want = torchrun_command(load_plan(path), RunRequest(plan=path, steps=7, seed=3))
     assert want.startswith("torchrun --nnodes 1 --nproc-per-node 2 ") and "-m moeplan.cli run" in want
@@ -131,20 +132,30 @@ def test_run_request_is_spelled_as_moeplan_run_options():
     import typer.main
 
     from moeplan.cli import app
-    from moeplan.runtime.launch import RunRequest
+    from moeplan.cli_options import run_request
+    from moeplan.runtime.request import RunRequest
 
     request = RunRequest(plan="/p.yaml", steps=5, metrics="/m.jsonl", data="/d.npy", checkpoint_every=2,
                          checkpoint_dir="/ck", resume=True, seed=3, lr=0.01, timeout_s=30.0, meter_every=4,
                          no_pin=True)
     run = typer.main.get_command(app).commands["run"]
     options = {o for p in run.params for o in p.opts}
-    argv = request.argv()
+    argv = request.cli_args()
     assert [a for a in argv if a.startswith("--")] == [
         "--steps", "--metrics", "--data", "--checkpoint-every", "--checkpoint-dir", "--resume", "--seed", "--lr",
         "--timeout", "--meter-every", "--no-pin"]
     assert {a for a in argv if a.startswith("--")} <= options
-    assert RunRequest.parse(argv) == request
-    assert RunRequest.parse(RunRequest(plan="/p.yaml", steps=5).argv()).no_pin is False
+    # the printed torchrun command has every rank's `moeplan run` build this same request
+    params = dict(run.make_context("run", list(argv)).params)
+    del params["devices"], params["print_command"]
+    assert run_request(params.pop("plan_path"), **params) == request
+    assert "--no-pin" not in RunRequest(plan="/p.yaml", steps=5).cli_args()
+    # launch_local hands it to every rank as one JSON argument
+    assert RunRequest.model_validate_json(request.model_dump_json()) == request
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="frozen"):
+        request.steps = 6  # type: ignore[misc]
 
 
 PIN_PROBE = """
@@ -177,7 +188,8 @@ def test_pin_to_cpu_binds_every_thread_of_the_rank_to_one_core():
 
 def test_torchrun_command_needs_whole_nodes(pp2):
     from moeplan.errors import PlanError
-    from moeplan.runtime.launch import RunRequest, torchrun_command
+    from moeplan.runtime.launch import torchrun_command
+    from moeplan.runtime.request import RunRequest
 
     plan = load_plan(pp2 / "plan.yaml")  # cpu target, 4 devices per node
     six = plan.model_copy(update={"layout": plan.layout.model_copy(update={"num_devices": 6})})

@@ -57,7 +57,7 @@ def train_and_record(paths: list[str], steps: int, data: str) -> list[tuple[list
 
     from moeplan.plan import load_plan
     from moeplan.runtime.executor import PipelineExecutor
-    from moeplan.runtime.launch import RunRequest
+    from moeplan.runtime.request import RunRequest
     from moeplan.runtime.worker import train
 
     torch.set_num_threads(1)
