@@ -15,10 +15,11 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from moeplan.cli_errors import GuardedGroup, Invocation, err, exit_on_error, invocation_of
 from moeplan.cli_options import PIPELINE_HELP, choice, integer, positive, run_request, strategy_options
-from moeplan.errors import InfeasibleError, LayoutError, MoeplanError
+from moeplan.errors import LayoutError
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+app = typer.Typer(cls=GuardedGroup, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Compile MoE training jobs into execution plans.")
 PIPE_WIDTH = 100_000
 """Columns of stdout when it is not a terminal (a pipe, a file, a CI log) and COLUMNS is not set: wide enough that
@@ -28,7 +29,6 @@ VIEW_PIPE_WIDTH = 200
 Gantt over every column), so they get a fixed width instead; 200 holds the views of the 718B default plan (6144
 Ascend 910B) without a wrapped or truncated cell."""
 out = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else PIPE_WIDTH)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 @app.command("compile")
@@ -500,54 +500,29 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
-_RUN: dict = {"debug": False, "command": None}
-"""What :func:`main`'s last-resort guard needs of this run: ``--debug``, and the command's name."""
-
-
 @app.callback()
 def _options(ctx: typer.Context,
              version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                           help="print moeplan's version and exit"),
              debug: bool = typer.Option(False, "--debug", help="on an internal error (a bug, exit 1), print its "
                                                                "traceback")) -> None:
-    """Options before the command (``moeplan --version``, ``moeplan --debug compile ...``)."""
-    _RUN.update(debug=debug, command=ctx.invoked_subcommand)
-
-
-def _one_line(text: str) -> str:
-    """``text`` as one printable line: whitespace runs become one space, other control characters their escape."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(text.split()))
+    """Options before the command (``moeplan --version``, ``moeplan --debug compile ...``); what the error report
+    needs of them goes in the click context (moeplan.cli_errors.GuardedGroup reads it)."""
+    ctx.obj = Invocation(debug=debug, command=ctx.invoked_subcommand)
 
 
 def main() -> None:
-    """Entry point: run the app, mapping moeplan's errors to one line and exit 2 (bad input) or 3 (infeasible).
-
-    Usage errors (unknown option, missing argument) are typer's own: usage text and exit 2. Anything else is a bug
-    (bad input is refused by validation, with exit 2): one line naming the command as an internal error, exit 1;
-    ``moeplan --debug COMMAND`` prints the traceback too.
+    """Entry point: run the app; an error ends it with one line on stderr and exit 2 (bad input), 3 (infeasible) or
+    1 (a bug, named as an internal error of the command; ``moeplan --debug COMMAND`` prints the traceback too).
+    Usage errors (unknown option, missing argument) are typer's own: usage text and exit 2 (moeplan.cli_errors).
     """
-    _RUN.update(debug=False, command=None)
     # at exit, freeze what is left so the interpreter's last collection does not traverse torch's objects and the
     # compiled plan one by one (0.5-1 s of a compile's wall time on a 2-core machine)
     atexit.register(gc.freeze)
     try:
         app()
-    except InfeasibleError as e:
-        err.print(f"error: {_one_line(str(e))}", markup=False)
-        sys.exit(3)
     except Exception as e:
-        if isinstance(e, MoeplanError) and isinstance(e, ValueError):
-            err.print(f"error: {_one_line(str(e))}", markup=False)
-            sys.exit(2)
-        if _RUN["debug"]:
-            import traceback
-
-            traceback.print_exc()
-        command = f"moeplan {_RUN['command']}" if _RUN["command"] else "moeplan"
-        what = _one_line(f"{type(e).__name__}: {e}")[:300]
-        err.print(f"error: internal error in `{command}`: {what} (a bug: please report it; `moeplan --debug ...` "
-                  f"prints the traceback)", markup=False)
-        sys.exit(1)
+        exit_on_error(e, invocation_of(e))
 
 
 if __name__ == "__main__":

@@ -347,6 +347,8 @@ def test_internal_error_is_one_line_and_debug_shows_the_traceback(monkeypatch, c
     assert line.startswith("error: ")
     code, stderr = run(monkeypatch, capsys, "--debug", "describe", "tiny-pangu")
     assert code == 1 and "Traceback" in stderr and stderr.strip().splitlines()[-1] == line
+    # --debug belongs to its invocation: the next one in this process prints the one line again
+    assert assert_one_line(*run(monkeypatch, capsys, "describe", "tiny-pangu"), 1, "internal error") == line
 
 
 # ---- layout messages that explain -------------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""How the ``moeplan`` command line (moeplan.cli) ends on an error: one line on stderr and an exit code
+(docs/architecture.md §8.7).
+
+- Bad input (a :class:`~moeplan.errors.MoeplanError` that is a ``ValueError``) exits 2 and a plan that cannot fit
+  (:class:`~moeplan.errors.InfeasibleError`) exits 3, each with ``error: <message>`` and no traceback.
+- Anything else is a bug: one line naming the command as an internal error, exit 1; ``moeplan --debug COMMAND``
+  prints the traceback too.
+- Typer handles its own before: usage errors (unknown option, missing argument: usage text and exit 2),
+  ``typer.Exit``, an abort (end of input: ``Aborted!``, exit 1) and a closed stdout pipe (exit 1).
+
+``--debug`` and the command's name are not module state: the app's callback puts them in the click context
+(``ctx.obj``, an :class:`Invocation`), and the app's group (:class:`GuardedGroup`) attaches that to whatever leaves
+a command, on its way to :func:`moeplan.cli.main`, which reports it (:func:`exit_on_error`, :func:`invocation_of`).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import NoReturn, Optional
+
+from rich.console import Console
+from typer.core import TyperGroup
+
+from moeplan.errors import InfeasibleError, MoeplanError
+
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+"""stderr of the command line: error lines, warnings, progress bars."""
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """What the error report needs of this invocation: ``--debug``, and the command's name (None: no command yet)."""
+
+    debug: bool = False
+    command: Optional[str] = None
+
+
+def one_line(text: str) -> str:
+    """``text`` as one printable line: whitespace runs become one space, other control characters their escape."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(text.split()))
+
+
+def exit_on_error(e: Exception, invocation: Invocation) -> NoReturn:
+    """Report ``e`` (the exception being handled) on stderr as the module docstring says, and exit."""
+    if isinstance(e, InfeasibleError):
+        err.print(f"error: {one_line(str(e))}", markup=False)
+        sys.exit(3)
+    if isinstance(e, MoeplanError) and isinstance(e, ValueError):
+        err.print(f"error: {one_line(str(e))}", markup=False)
+        sys.exit(2)
+    if invocation.debug:
+        import traceback
+
+        traceback.print_exc()
+    command = f"moeplan {invocation.command}" if invocation.command else "moeplan"
+    what = one_line(f"{type(e).__name__}: {e}")[:300]
+    err.print(f"error: internal error in `{command}`: {what} (a bug: please report it; `moeplan --debug ...` "
+              f"prints the traceback)", markup=False)
+    sys.exit(1)
+
+
+_INVOCATION = "_moeplan_invocation"
+"""The attribute of an exception that holds the :class:`Invocation` it left (typer marks exceptions the same way)."""
+
+
+def invocation_of(e: BaseException) -> Invocation:
+    """The :class:`Invocation` in which ``e`` left a command; the default (no ``--debug``, no command) for an
+    exception raised outside any command."""
+    return getattr(e, _INVOCATION, Invocation())
+
+
+class GuardedGroup(TyperGroup):
+    """The app's command group: an exception out of a command leaves with the :class:`Invocation` in ``ctx.obj``
+    attached (:func:`invocation_of`) and is otherwise unchanged, so that typer still handles its own (usage errors,
+    ``typer.Exit``) and :func:`moeplan.cli.main` reports the rest, traceback and all."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except Exception as e:
+            if isinstance(ctx.obj, Invocation) and not hasattr(e, _INVOCATION):
+                setattr(e, _INVOCATION, ctx.obj)
+            raise
