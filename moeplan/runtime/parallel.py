@@ -205,17 +205,27 @@ class CommLog:
         self.tier_bytes.clear()
 
 
-class _AllGather(torch.autograd.Function):
+class _Mirrored(torch.autograd.Function):
+    """An all-gather or a reduce-scatter, along ``dim`` (``sizes`` None) or of uneven rows (``sizes``: rows per
+    group rank), whose backward runs its mirror on the gradient: the reduce-scatter of an all-gather, the
+    all-gather of a reduce-scatter."""
+
     @staticmethod
-    def forward(ctx, x, dim, link):
-        ctx.dim, ctx.link = dim, link
-        link.record("all_gather", "fwd", x)
-        return _gather(x, dim, link.group)
+    def forward(ctx, x, kind, dim, sizes, link):
+        ctx.kind, ctx.dim, ctx.sizes, ctx.link = kind, dim, sizes, link
+        return _mirrored(kind, "fwd", x, dim, sizes, link)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.link.record("reduce_scatter", "bwd", grad)
-        return _reduce_scatter(grad, ctx.dim, ctx.link.group), None, None
+        mirror = "reduce_scatter" if ctx.kind == "all_gather" else "all_gather"
+        return _mirrored(mirror, "bwd", grad, ctx.dim, ctx.sizes, ctx.link), None, None, None, None
+
+
+def _mirrored(kind: str, phase: str, x: torch.Tensor, dim: int, sizes: list[int] | None, link: Link) -> torch.Tensor:
+    link.record(kind, phase, x)
+    if kind == "all_gather":
+        return _gather(x, dim, link.group) if sizes is None else _gather_v(x, sizes, link.group)
+    return _reduce_scatter(x, dim, link.group) if sizes is None else _reduce_scatter_v(x, sizes, link.group)
 
 
 class _GatherLinears(torch.autograd.Function):
@@ -241,19 +251,6 @@ class _GatherLinears(torch.autograd.Function):
             dfull = g @ w if dfull is None else dfull + g @ w
         ctx.link.record("reduce_scatter", "bwd", dfull)
         return (_reduce_scatter(dfull, ctx.dim, ctx.link.group), None, None, *dweights)
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, link):
-        ctx.dim, ctx.link = dim, link
-        link.record("reduce_scatter", "fwd", x)
-        return _reduce_scatter(x, dim, link.group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.link.record("all_gather", "bwd", grad)
-        return _gather(grad, ctx.dim, ctx.link.group), None, None
 
 
 class _ValueAllReduce(torch.autograd.Function):
@@ -291,7 +288,7 @@ class _AllToAll(torch.autograd.Function):
 
 def all_gather(x: torch.Tensor, dim: int, link: Link) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in group-rank order (equal shapes); backward reduce-scatters."""
-    return x if link.group is None else _AllGather.apply(x, dim, link)
+    return x if link.group is None else _Mirrored.apply(x, "all_gather", dim, None, link)
 
 
 def gather_linears(x: torch.Tensor, dim: int, link: Link, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -307,7 +304,7 @@ def gather_linears(x: torch.Tensor, dim: int, link: Link, *weights: torch.Tensor
 
 def reduce_scatter(x: torch.Tensor, dim: int, link: Link) -> torch.Tensor:
     """Sum ``x`` over the group and keep this rank's ``1/world`` slice of ``dim``; backward all-gathers."""
-    return x if link.group is None else _ReduceScatter.apply(x, dim, link)
+    return x if link.group is None else _Mirrored.apply(x, "reduce_scatter", dim, None, link)
 
 
 def value_all_reduce(x: torch.Tensor, link: Link) -> torch.Tensor:
@@ -387,44 +384,18 @@ def _reduce_scatter_v(x: torch.Tensor, sizes: list[int], group: dist.ProcessGrou
     return out.view(len(sizes), mine, *x.shape[1:]).sum(0)
 
 
-class _AllGatherV(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, link):
-        ctx.sizes, ctx.link = sizes, link
-        link.record("all_gather", "fwd", x)
-        return _gather_v(x, sizes, link.group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.link.record("reduce_scatter", "bwd", grad)
-        return _reduce_scatter_v(grad, ctx.sizes, ctx.link.group), None, None
-
-
-class _ReduceScatterV(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, link):
-        ctx.sizes, ctx.link = sizes, link
-        link.record("reduce_scatter", "fwd", x)
-        return _reduce_scatter_v(x, sizes, link.group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.link.record("all_gather", "bwd", grad)
-        return _gather_v(grad, ctx.sizes, ctx.link.group), None, None
-
-
 def all_gather_v(x: torch.Tensor, sizes: list[int], link: Link) -> torch.Tensor:
     """Uneven all-gather of rows: ``x [sizes[r], ...]`` on group rank r -> ``[Σ sizes, ...]``, every rank's rows in
     group-rank order (Megatron-LM ``gather_from_sequence_parallel_region`` with ``output_split_sizes``); backward
     :func:`reduce_scatter_v`. ``sizes`` must agree across ranks."""
-    return x if link.group is None else _AllGatherV.apply(x, sizes, link)
+    return x if link.group is None else _Mirrored.apply(x, "all_gather", 0, sizes, link)
 
 
 def reduce_scatter_v(x: torch.Tensor, sizes: list[int], link: Link) -> torch.Tensor:
     """Uneven reduce-scatter of rows: ``x [Σ sizes, ...]`` summed over the group, group rank r keeps rows
     ``[Σ sizes[:r], Σ sizes[:r+1])`` (Megatron-LM ``reduce_scatter_to_sequence_parallel_region`` with
     ``input_split_sizes``); backward :func:`all_gather_v`."""
-    return x if link.group is None else _ReduceScatterV.apply(x, sizes, link)
+    return x if link.group is None else _Mirrored.apply(x, "reduce_scatter", 0, sizes, link)
 
 
 def exchange_counts(counts: torch.Tensor, link: Link) -> torch.Tensor:
