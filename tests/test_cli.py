@@ -1,15 +1,13 @@
 """The CLI contract: one-line errors with exit 2 (bad input) or 3 (infeasible), nothing written on failure."""
 import json
-import subprocess
-import sys
 
 import pytest
+from inprocess import run_moeplan
 
 from moeplan.plan import SCHEMA_VERSION
 
 
-def moeplan(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "moeplan.cli", *args], capture_output=True, text=True, cwd=cwd)
+moeplan = run_moeplan
 
 
 def assert_one_line_error(proc, code, *needles):

@@ -1,10 +1,9 @@
 """``moeplan diff A B``: only the fields that differ, with the plans' own values; one-line errors on bad input."""
 import json
 import re
-import subprocess
-import sys
 
 import pytest
+from inprocess import run_moeplan
 
 from moeplan.compile import compile_model
 from moeplan.diff import GIB, diff_json, diff_plans
@@ -37,8 +36,7 @@ def files(pp2, pp1, tmp_path_factory):
     return folder
 
 
-def moeplan(*args):
-    return subprocess.run([sys.executable, "-m", "moeplan.cli", *args], capture_output=True, text=True)
+moeplan = run_moeplan
 
 
 def section(d, name):
