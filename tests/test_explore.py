@@ -5,12 +5,11 @@ from __future__ import annotations
 import csv
 import functools
 import io
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from inprocess import run_moeplan
 import yaml
 from hypothesis import given, settings, strategies as hs
 
@@ -63,8 +62,7 @@ def edited(**changes: object) -> dict:
 ])
 def test_bad_space_is_one_line_exit_2_and_nothing_written(tmp_path, data, needle):
     space = write(tmp_path, data)
-    proc = subprocess.run([sys.executable, "-m", "moeplan.cli", "explore", str(space), "--target", "h100",
-                           "--devices", "8", "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    proc = run_moeplan("explore", space, "--target", "h100", "--devices", "8", "--out", tmp_path / "out")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert needle in lines[0], lines[0]
@@ -167,9 +165,8 @@ def test_outputs(tiny_result):
 
 def test_explore_cli_writes_csv_and_png(tmp_path):
     space = write(tmp_path, edited(choices__num_layers=[2, 3], choices__hidden_size=[64]))
-    proc = subprocess.run([sys.executable, "-m", "moeplan.cli", "explore", str(space), "--target", "h100",
-                           "--devices", "8", "--verify", "1", "--workers", "1", "--out", str(tmp_path / "out"),
-                           "--json"], capture_output=True, text=True, timeout=240)
+    proc = run_moeplan("explore", space, "--target", "h100", "--devices", "8", "--verify", "1", "--workers", "1",
+                       "--out", tmp_path / "out", "--json")
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "out" / "pareto.png").read_bytes()[:4] == b"\x89PNG"
     assert len((tmp_path / "out" / "results.csv").read_text().splitlines()) == 1 + 2 * 2 * 2

@@ -2,11 +2,10 @@
 every computing action appears once, the step ends where the plan says, the memory curve peaks at the plan's
 figure, the PNG is drawn, and bad plan files exit 2 with one line."""
 import json
-import subprocess
-import sys
 from collections import Counter, defaultdict
 
 import pytest
+from inprocess import run_moeplan
 from matplotlib.image import imread
 from typer.testing import CliRunner
 
@@ -211,8 +210,7 @@ def test_bad_plan_files_exit_2_with_one_line(plans, tmp_path, case, needle):
         bad.write_text(text[: len(text) // 2])
     else:
         bad.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe\x80")
-    proc = subprocess.run([sys.executable, "-m", "moeplan.cli", "timeline", str(bad), "-o", str(tmp_path / "t.json"),
-                           "--png", str(tmp_path / "t.png")], capture_output=True, text=True)
+    proc = run_moeplan("timeline", bad, "-o", tmp_path / "t.json", "--png", tmp_path / "t.png")
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr and needle in lines[0], proc.stderr

@@ -3,12 +3,11 @@
 import asyncio
 import html
 import re
-import subprocess
-import sys
 from collections import Counter
 
 import numpy as np
 import pytest
+from inprocess import run_moeplan
 import yaml
 from typer.testing import CliRunner
 
@@ -205,8 +204,7 @@ def test_bad_plan_exits_2_with_one_line(plan_file, tmp_path, case):
         bad.write_text(text[: len(text) // 2])
     else:
         bad.write_bytes(bytes(range(256)) * 8)
-    proc = subprocess.run([sys.executable, "-m", "moeplan.cli", "inspect", str(bad)], capture_output=True, text=True,
-                          cwd=tmp_path)
+    proc = run_moeplan("inspect", bad, cwd=tmp_path)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith("error: ") and proc.stdout == ""
