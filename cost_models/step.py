@@ -1,9 +1,9 @@
 """The pieces of a step beside the layers' programs (the ``simulate`` pass's pricing): each pipeline stage's
-:class:`~moeplan.cost_models.timeline.StageProgram` with its recompute, the overlap settings, the DP collectives
+:class:`~moeplan.cost_models.timeline_types.StageProgram` with its recompute, the overlap settings, the DP collectives
 and their exposure, and the optimizer step.
 
 Per pipeline stage it concatenates its layers' programs (cost_models/layer_program.py) into a
-:class:`~moeplan.cost_models.timeline.StageProgram`, with the recompute the memory plan chose: under ``full``
+:class:`~moeplan.cost_models.timeline_types.StageProgram`, with the recompute the memory plan chose: under ``full``
 recompute each layer's forward (its collectives included) runs again right before its backward; under
 ``selective`` its norms, activation functions and core attention do (one compute segment). The timeline
 simulates these programs with the strategy's overlap mechanisms, the target's compute slow-down under
@@ -38,7 +38,7 @@ from typing import Iterable, Mapping, Sequence
 
 from moeplan.cost_models.comm import collective_time_s, group_tier
 from moeplan.cost_models.memory import fsdp_reshards, saved_bytes, state_bytes_per_param
-from moeplan.cost_models.timeline import (RunSettings, StageProgram, Timeline, compact, concat_segments)
+from moeplan.cost_models.timeline_types import (RunSettings, StageProgram, Timeline, compact, concat_segments)
 from moeplan.ir import LayerKind, kind_of
 from moeplan.layout import Layout
 from moeplan.state import OP_MODES, LayerCost, PlanState, Recompute, Segment

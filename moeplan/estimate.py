@@ -19,7 +19,8 @@ from moeplan.cost_models.memory import (MODES, Overheads, RankParts, layout_stat
                                         state_bytes_per_param)
 from moeplan.cost_models.sharding import layer_cost
 from moeplan.cost_models.step import adam_s, beside_compute, dp_sync_s, owned_params, recompute_work, replica_reductions, step_sync_groups
-from moeplan.cost_models.timeline import action_time_s, concat_segments
+from moeplan.cost_models.timeline import action_time_s
+from moeplan.cost_models.timeline_types import concat_segments
 from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout
 from moeplan.mechanisms import FB_PAIRED

@@ -37,7 +37,7 @@ from typing import NamedTuple, Sequence
 
 from moeplan.actions import OVERLAP, action_kind, compute_parts, parse_action
 from moeplan.cost_models.step import dp_collectives, dp_exposure, optimizer_s
-from moeplan.cost_models.timeline import TIERS, Event, SegmentEvent, StageProgram, Timeline
+from moeplan.cost_models.timeline_types import TIERS, Event, SegmentEvent, StageProgram, Timeline
 from moeplan.files import write_atomic
 from moeplan.plan import Plan
 from moeplan.replay import plan_timeline

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from moeplan.cost_models.step import run_settings, stage_programs
-from moeplan.cost_models.timeline import StageProgram, Timeline, simulate
+from moeplan.cost_models.timeline import simulate
+from moeplan.cost_models.timeline_types import StageProgram, Timeline
 from moeplan.passes.shard import ShardPass
 from moeplan.passes.simulate import SimulatePass
 from moeplan.plan import Plan, PlanLayerDecisions
@@ -72,8 +73,8 @@ class SimulatedStep(NamedTuple):
 
 def plan_timeline(plan: Plan) -> SimulatedStep:
     """The simulated step of a saved plan's schedule, every action and segment recorded
-    (``simulate(..., detail=True)``: :class:`~moeplan.cost_models.timeline.Event` per action,
-    :class:`~moeplan.cost_models.timeline.SegmentEvent` per compute segment and collective, seconds from the step
+    (``simulate(..., detail=True)``: :class:`~moeplan.cost_models.timeline_types.Event` per action,
+    :class:`~moeplan.cost_models.timeline_types.SegmentEvent` per compute segment and collective, seconds from the step
     start). The DP collectives and the optimizer step that follow the pipeline are not in it (passes/simulate.py
     prices them apart). Raises PlanError when the schedule does not simulate."""
     state = state_from_plan(plan)

@@ -41,7 +41,8 @@ import numpy as np
 
 from moeplan.actions import Placement, placement_of, stage_of, stage_rank
 from moeplan.cost_models.step import beside_compute
-from moeplan.cost_models.timeline import RunSettings, action_time_s
+from moeplan.cost_models.timeline import action_time_s
+from moeplan.cost_models.timeline_types import RunSettings
 from moeplan.errors import LayoutError
 from moeplan.ir import LayerKind, named_layers
 from moeplan.state import LayerCost, PlanState, StagePlan

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
-from moeplan.cost_models.timeline import (Timeline, overlap_rate_of, simulate)
+from moeplan.cost_models.timeline import simulate
+from moeplan.cost_models.timeline_types import Timeline, overlap_rate_of
 from moeplan.flops import flops_per_token
 from moeplan.state import PlanState, Prediction
 

@@ -3,7 +3,7 @@ import pytest
 
 from moeplan.compiler import parse_pipeline, run_pipeline
 from moeplan.cost_models.sharding import op_scale
-from moeplan.cost_models.timeline import RunSettings
+from moeplan.cost_models.timeline_types import RunSettings
 from moeplan.errors import InfeasibleError, PlanError
 from moeplan.flops import flops_per_token
 from moeplan.ir import LayerKind, named_layers

@@ -6,7 +6,9 @@ import pytest
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
 from moeplan.actions import parse_action
-from moeplan.cost_models.timeline import RunSettings, StageProgram, _slowdown_s, action_time_s, concat_segments, simulate
+from moeplan.cost_models.timeline import action_time_s, simulate
+from moeplan.cost_models.timeline_sched import _slowdown_s
+from moeplan.cost_models.timeline_types import RunSettings, StageProgram, concat_segments
 from moeplan.errors import PlanError
 from moeplan.passes.schedule import build_actions, interleaved_1f1b, max_in_flight, one_f_one_b
 from moeplan.state import CommOp, Segment

@@ -1,6 +1,6 @@
 """The action-list interpreter: runs this rank's ``plan.schedule.actions`` exactly as written (docs/architecture.md §7).
 
-Actions (torch.distributed.pipelining notation, parsed by ``cost_models.timeline.parse_action``):
+Actions (torch.distributed.pipelining notation, parsed by ``moeplan.actions.parse_action``):
 
 - ``{s}F{m}``: forward of stage ``s``'s layers for micro-batch ``m``; autograd keeps what backward needs, or what
   the PP rank's recompute mode leaves (:func:`recompute_call`). The last stage's loss is scaled by
