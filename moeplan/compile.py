@@ -12,7 +12,8 @@ from moeplan.mechanisms import ordered
 from moeplan.plan import (SCHEMA_VERSION, Plan, PlanCollective, PlanComm, PlanCommClass, PlanExperts, PlanLayerCost,
                           PlanLayerDecisions, PlanLayout, PlanMemory, PlanModel, PlanOpDecision, PlanPrecision,
                           PlanPrediction, PlanProvenance, PlanRankMemory, PlanSchedule, PlanSharding, PlanStages)
-from moeplan.search import Evaluated, Fixed, SearchResult, search
+from moeplan.search import Fixed, SearchResult, search
+from moeplan.search_eval import Evaluated
 from moeplan.spec import ModelSpec
 from moeplan.state import CommOp, GroupChoice
 from moeplan.targets import Target

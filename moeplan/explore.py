@@ -333,7 +333,7 @@ def _screen_group(task: tuple[list[tuple[int, ModelSpec]], list[tuple[Layout, St
     from moeplan.passes.partition_stages import SLOT_KINDS
     from moeplan.cost_models.memory import budget_bytes
     from moeplan.estimate import estimate_memory, estimate_step, model_cost, slot_weights, stage_params, static_bytes
-    from moeplan.search import _shape_key
+    from moeplan.search_eval import _shape_key
 
     group, shortlist, target, num_devices = task
     budget = budget_bytes(target)
@@ -416,7 +416,7 @@ def explore(space: Space, *, target: Target, num_devices: int, verify: int = 50,
             progress: Callable[[str, int, int], None] | None = None) -> ExploreResult:
     """Run the architecture search (module docstring). ``progress(phase, done, total)`` is called as architectures
     are screened ("screen") and verified ("verify"). Raises SpecError when no architecture meets the constraints."""
-    from moeplan.search import _Pool
+    from moeplan.search_eval import _Pool
 
     t0 = time.perf_counter()
     archs = architectures(space)

@@ -19,44 +19,37 @@
    in parallel processes and rank them by simulated step time, holding only the ``keep`` fastest whole (memory does
    not grow with the number evaluated). Their simulated steps over their estimates measure how far the estimate is
    off per schedule class; then up to ``candidates`` **follow-ups**, the options whose estimate so corrected beats
-   the best step found (:func:`_follow_ups`), go through too. A follow-up whose bound is not below the ``keep``-th
-   best step found so far is pruned: skipped, stopped before the simulation once ``plan-memory`` has fixed its
-   stages and recompute (:func:`moeplan.bounds.plan_bound`, a tighter bound), or stopped during it as soon as a
-   rank's compute runs past that step (the step can only be longer). Each worker has one in flight, so the next
-   one sent sees the best step found so far. A candidate the memory pass finds infeasible is retried
-   without ``fb`` when the overlap set was chosen automatically (``fb`` keeps one more micro-batch in flight), else
-   counted (a typed :class:`moeplan.layout.Rejection`) and dropped.
+   the best step found (:func:`moeplan.search_eval._follow_ups`), go through too. A follow-up whose bound is not
+   below the ``keep``-th best step found so far is pruned: skipped, stopped before the simulation once
+   ``plan-memory`` has fixed its stages and recompute (:func:`moeplan.bounds.plan_bound`, a tighter bound), or
+   stopped during it as soon as a rank's compute runs past that step (the step can only be longer). Each worker has
+   one in flight, so the next one sent sees the best step found so far. A candidate the memory pass finds
+   infeasible is retried without ``fb`` when the overlap set was chosen automatically (``fb`` keeps one more
+   micro-batch in flight), else counted (a typed :class:`moeplan.layout.Rejection`) and dropped.
 6. **Exact** (``candidates=None``): after the best estimates, every other option in order of its bound until the
    next bound is not below the best step: what is left provably cannot beat it. Otherwise the result reports the
    least bound of the options left unsimulated, so the caller knows how far from the optimum the best can be.
+
+This module enumerates, checks and pairs the options (steps 1–3) and runs the search; steps 4–6 (the closed-form
+screening of each option and the evaluation of the best in a pool of forked workers) are in moeplan/search_eval.py.
 """
 from __future__ import annotations
 
-import gc
-import heapq
-import os
-from collections import Counter, deque
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
-from multiprocessing import get_context
-from typing import Iterable, Iterator
+from collections import Counter
+from dataclasses import dataclass
 
-from moeplan.bounds import SPLIT_BACKWARD, PieceSums, floors, layout_bound, piece_sums, plan_bound
-from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline, run_pipeline
+from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline
 from moeplan.cost_models.dispatch import hierarchical_valid
 from moeplan.cost_models.layer_program import ep_transfer, expert_group
 from moeplan.cost_models.memory import gib_text
-from moeplan.cost_models.step import norm_s
-from moeplan.cost_models.timeline import StepExceeded
 from moeplan.errors import InfeasibleError, LayoutError, PlanError
-from moeplan.estimate import (ModelCost, estimate_memory, estimate_step, layer_prices, model_cost, slot_weights,
-                              stage_params, static_bytes)
-from moeplan.ir import LayerKind, ModelGraph, named_layers
+from moeplan.estimate import slot_weights, stage_params, static_bytes
+from moeplan.ir import ModelGraph, named_layers
 from moeplan.layout import Layout, Rejection, check_fixed_degrees, check_layout, layout_rejection
-from moeplan.passes.partition_stages import SLOT_KINDS
+from moeplan.mechanisms import mechanism
 from moeplan.passes.schedule import schedule_fits
-from moeplan.mechanisms import FB_PAIRED, mechanism
-from moeplan.state import Dispatcher, Mechanism, PlanState, Precision, ScheduleKind, Strategy
+from moeplan.search_eval import _SHARED, Evaluated, _estimate_all, _estimate_and_evaluate, _lean, _Pool, _shape_tasks
+from moeplan.state import Dispatcher, Mechanism, Precision, ScheduleKind, Strategy
 from moeplan.targets import Target
 
 
@@ -84,21 +77,6 @@ class Fixed:
     recompute: str = "auto"
     precision: Precision = Precision()
     recompute_modules: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Evaluated:
-    state: PlanState
-    pass_s: tuple[tuple[str, float], ...]
-
-
-@dataclass(frozen=True)
-class Pruned:
-    """A candidate the full pipeline stopped early: before simulating, when its plan's lower bound
-    (:func:`moeplan.bounds.plan_bound`, seconds) was not below the best step found when it was sent, or during the
-    simulation, as soon as a rank's compute ran past that step (``bound_s``: that rank's clock)."""
-
-    bound_s: float
 
 
 @dataclass(frozen=True)
@@ -218,38 +196,6 @@ def _cheapest_dispatcher(layout: Layout, graph: ModelGraph, target: Target, cach
     return best  # type: ignore[return-value]
 
 
-def _evaluate(args: tuple[Layout, Strategy, str, bool, float]) -> Evaluated | Rejection | Pruned:
-    """Run the full pipeline on one option. ``beat``: the best step found so far; when the pipeline ends with
-    ``simulate``, a plan whose lower bound is not below it stops before the simulation (a :class:`Pruned`)."""
-    layout, strategy, pipeline, auto_overlap, beat = args
-    graph, target = _SHARED["graph"], _SHARED["target"]
-    passes = parse_pipeline(pipeline)
-    split = len(passes) - 1 if passes[-1].name == "simulate" else len(passes)
-    tries = [strategy]
-    if auto_overlap and "fb" in strategy.overlap:
-        tries.append(replace(strategy, overlap=strategy.overlap - {"fb"}))
-    for attempt in tries:
-        try:
-            state, timings = run_pipeline(PlanState(graph=graph, target=target, layout=layout, strategy=attempt),
-                                          passes[:split])
-            if split < len(passes) and state.memory is not None:
-                bound = plan_bound(state)
-                if bound >= beat:
-                    return Pruned(bound)
-                try:
-                    state, last = run_pipeline(state, (replace(passes[split], stop_above_s=beat),))
-                except StepExceeded as e:
-                    return Pruned(e.at_s)
-                timings += last
-        except InfeasibleError as e:  # figure: bytes per device of the first PP rank that fit under no recompute mode
-            error = Rejection("memory", e.needs_bytes, str(e))
-            continue
-        except LayoutError as e:
-            return e.rejection if isinstance(e.rejection, Rejection) else Rejection("pass", None, str(e))
-        return Evaluated(state=state, pass_s=tuple((t.name, t.seconds) for t in timings))
-    return error
-
-
 def _check_fixed(fixed: Fixed, target: Target, num_devices: int) -> None:
     """Refuse a device count or fixed degrees that fit no layout (:func:`moeplan.layout.check_fixed_degrees`), and a
     fixed schedule, dispatcher or mechanism the target's runtime does not execute."""
@@ -364,14 +310,6 @@ def rank_by_estimate(*, graph: ModelGraph, target: Target, options: list[tuple[L
         _SHARED.clear()
 
 
-def _estimate_all(pool: "_Pool", tasks: list[list[tuple[Layout, Strategy, tuple[float, float]]]]
-                  ) -> list[tuple[tuple[bool, float], float, Layout, Strategy]]:
-    """:func:`_estimate_shape` of every task in ``pool``, flattened and sorted by sort key (best first)."""
-    scored = [x for part in pool.map(_estimate_shape, tasks, chunksize=max(1, len(tasks) // 16)) for x in part]
-    scored.sort(key=lambda x: x[0])
-    return scored
-
-
 def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed, pipeline: str,
            candidates: int | None = 4, workers: int | None = None, keep: int = 1) -> SearchResult:
     """Find the fastest layouts; see the module docstring. ``candidates``: how many of the best estimates go through
@@ -405,228 +343,6 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
     return SearchResult(ranked=tuple(ranked), rejected=rejected, num_enumerated=len(layouts),
                         num_evaluated=out.sent, num_options=len(options), num_pruned=out.pruned,
                         bound_s=out.bound_s)
-
-
-def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, float]]], slots: list[LayerKind],
-                           weights: tuple[float, ...], target: Target, pipeline: str, candidates: int | None,
-                           workers: int | None, keep: int, *, auto_overlap: bool) -> _Outcome:
-    """Steps 4–6 of the module docstring in one pool of worker processes: the options of one layer-cost shape
-    (:func:`_shape_key`) are priced, estimated and bounded together; the best estimates go through the full
-    pipeline, then the follow-ups (:func:`_follow_ups`) or (``candidates=None``) every option whose bound is below
-    the best step found, in bound order. The ``keep`` fastest evaluated are held whole, the others dropped as they
-    arrive (memory does not grow with the number evaluated). What is sent depends only on results, never on the
-    order they arrive in: the same plan for any number of workers."""
-    tasks = _shape_tasks(options, slots, weights)
-    out = _Outcome(keep)
-    with _Pool(workers) as pool:
-        scored = _estimate_all(pool, tasks)
-        first = scored[:candidates if candidates is not None else max(keep, 4)]
-        rest = scored[len(first):]
-        del scored
-        # the first ones are simulated in full, whatever arrives first: what they measure decides the follow-ups
-        for (est, _, _, st), r in zip(first, pool.imap(_evaluate, [(lay, st, pipeline, auto_overlap, float("inf"))
-                                                                     for _, _, lay, st in first])):
-            out.add(r, est[1], _estimate_class(st))
-        if candidates is None:  # exact: in bound order; none of the rest can beat the best once a bound does not
-            then, left = sorted(rest, key=lambda x: x[1]), []
-        else:
-            then, left = _follow_ups(rest, out, limit=candidates)
-        del rest
-        sent: deque[tuple[float, tuple[str, bool]]] = deque()  # (estimate, class) of each option in flight
-
-        def sends() -> Iterator[tuple[Layout, Strategy, str, bool, float]]:
-            for i, ((_, est), bound, lay, st) in enumerate(then):
-                if bound >= out.beat_s:
-                    if candidates is None:  # in bound order: every later one is out too
-                        out.pruned += len(then) - i
-                        return
-                    out.pruned += 1
-                    continue
-                sent.append((est, _estimate_class(st)))
-                yield lay, st, pipeline, auto_overlap, out.beat_s
-
-        for r in pool.imap(_evaluate, sends()):
-            est, cls = sent.popleft()
-            out.add(r, est, cls)
-        # the rest stay unsimulated: the least bound of those that could win
-        out.pruned += sum(1 for x in left if x[1] >= out.beat_s)
-        out.bound_s = min((x[1] for x in left if x[1] < out.beat_s), default=float("inf"))
-    return out
-
-
-def _estimate_class(strategy: Strategy) -> tuple[str, bool]:
-    """What an estimate's error is measured per (:func:`_follow_ups`): the schedule, and whether its forwards and
-    backwards run as overlapped pairs (docs/step-model.md §4: the closed form misses how pairs wait on each
-    other)."""
-    return strategy.schedule, "fb" in strategy.overlap and strategy.schedule in FB_PAIRED
-
-
-def _follow_ups(rest: list[tuple[tuple[bool, float], float, Layout, Strategy]], out: "_Outcome", *, limit: int
-                ) -> tuple[list, list]:
-    """(the options to simulate next, the others): at most ``limit`` of those whose memory estimate fits, least
-    corrected estimate first, each below the best step simulated so far.
-
-    The correction is measured, not assumed: each simulated option gives its step over its estimate, and an
-    option's estimate is scaled by the least such ratio seen in its class (:func:`_estimate_class`), by none while
-    its class has no simulation. So a class the estimate favours wrongly (say, one 20% optimistic) stops crowding
-    out the others once its first options are simulated, and a class not simulated yet gets a look when its best
-    estimate beats the best step."""
-    ranked = sorted(((x[0][1] * out.ratio(_estimate_class(x[3])), i) for i, x in enumerate(rest) if not x[0][0]))
-    chosen = {i for corrected, i in ranked[:limit] if corrected < out.beat_s}
-    return [rest[i] for _, i in ranked[:limit] if i in chosen], [x for i, x in enumerate(rest) if i not in chosen]
-
-
-@dataclass
-class _Outcome:
-    """What the evaluation loop has so far: the ``keep`` fastest (a heap whose top is the slowest of them), the
-    refusals, how many options the full pipeline simulated or refused (``sent``) and how many a bound pruned (before
-    or inside the pipeline), and the least bound left."""
-
-    keep: int
-    best: list[tuple[float, int, Evaluated]] = field(default_factory=list)
-    refused: list[Rejection] = field(default_factory=list)
-    sent: int = 0
-    pruned: int = 0
-    bound_s: float = float("inf")
-    ratios: dict[tuple[str, bool], float] = field(default_factory=dict)  # per estimate class: :meth:`ratio`
-
-    @property
-    def beat_s(self) -> float:
-        """The step an option must beat to enter the ``keep`` fastest: the slowest of them once there are
-        ``keep``, else ``inf``."""
-        return -self.best[0][0] if len(self.best) >= self.keep else float("inf")
-
-    def ratio(self, cls: tuple[str, bool]) -> float:
-        """The least simulated-over-estimated step seen in ``cls``; 1 (the estimate as it is) while it has none."""
-        return self.ratios.get(cls, 1.0)
-
-    def add(self, r: Evaluated | Rejection | Pruned, estimate_s: float, cls: tuple[str, bool]) -> None:
-        """Count ``r``, the result of the option estimated at ``estimate_s`` seconds in class ``cls``."""
-        self.sent += not isinstance(r, Pruned)
-        if isinstance(r, Evaluated) and estimate_s > 0:
-            ratio = r.state.prediction.step_time_s / estimate_s  # type: ignore[union-attr]
-            self.ratios[cls] = min(self.ratios.get(cls, ratio), ratio)
-        if isinstance(r, Rejection):
-            self.refused.append(r)
-        elif isinstance(r, Pruned):
-            self.pruned += 1
-        else:
-            item = (-r.state.prediction.step_time_s, -self.sent, r)  # type: ignore[union-attr]
-            if len(self.best) < self.keep:
-                heapq.heappush(self.best, item)
-            elif item[:2] > self.best[0][:2]:
-                heapq.heapreplace(self.best, item)
-
-    def ranked(self) -> list[Evaluated]:
-        return [e for _, _, e in sorted(self.best, key=lambda x: x[:2], reverse=True)]
-
-
-_SHARED: dict = {}
-"""The traced graph (without fx modules), the target, the slot counts per kind and the slots' weights of the running
-search: set before the worker processes fork, so tasks carry only layouts and strategies."""
-
-
-def _lean(graph: ModelGraph) -> ModelGraph:
-    return replace(graph, layers={k: replace(v, gm=None) for k, v in graph.layers.items()})
-
-
-def _shape_tasks(options: list[tuple[Layout, Strategy, tuple[float, float]]], slots: list[LayerKind],
-                 weights: tuple[float, ...]) -> list[list[tuple[Layout, Strategy, tuple[float, float]]]]:
-    """The options grouped by layer-cost shape (one :func:`_estimate_shape` task each); sets what the workers read
-    besides the graph and the target."""
-    groups: dict[tuple, list[tuple[Layout, Strategy, tuple[float, float]]]] = {}
-    for opt in options:
-        groups.setdefault(_shape_key(opt[0], opt[1]), []).append(opt)
-    _SHARED["counts"], _SHARED["weights"], _SHARED["slots"] = Counter(slots), weights, tuple(slots)
-    _SHARED["slot_flags"] = tuple(int(k in SLOT_KINDS) for k in slots)
-    return list(groups.values())
-
-
-def _shape_key(layout: Layout, strategy: Strategy) -> tuple:
-    """What the layer costs depend on: (tp, cp, ep, etp, micro-batch, dispatcher, the recipe's precision), and under
-    FSDP the degrees its per-layer collectives and resharding depend on (dp_shard, dp, pp)."""
-    fsdp = (layout.dp_shard, layout.dp, layout.pp) if layout.dp_shard > 1 else ()
-    return (layout.tp, layout.cp, layout.ep, layout.etp, layout.micro_batch, strategy.dispatcher,
-            strategy.precision, fsdp)
-
-
-def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
-                    ) -> list[tuple[tuple[bool, float], float, Layout, Strategy]]:
-    """(sort key, lower bound, layout, strategy) of each option of one layer-cost shape: the sort key puts the
-    options whose memory estimate fits first, then orders by estimated step; the bound is
-    :func:`moeplan.bounds.layout_bound`."""
-    graph, target, counts, slots = _SHARED["graph"], _SHARED["target"], _SHARED["counts"], _SHARED["slots"]
-    cache = _SHARED.setdefault("costs", {})  # per process: forked workers each keep their own
-    out = []
-    costs: dict[frozenset, ModelCost] = {}  # the options of one shape differ in their overlap sets only
-    sums: dict[tuple, PieceSums] = {}
-    opt_floor = norm_s(options[0][0].world_size, target)
-    for lay, st, params in options:
-        cost = costs.get(st.overlap)
-        if cost is None:
-            cost = costs[st.overlap] = model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache,
-                                                  st.precision)
-        memory = estimate_memory(lay, st, cost, kinds=slots, target=target, budget=_SHARED["budget"],
-                                 hidden_size=graph.spec.hidden_size)
-        est = estimate_step(lay, st, cost, weights=_SHARED["weights"], slots=_SHARED["slot_flags"], params=params,
-                            target=target, memory=memory)
-        skey = (st.overlap, st.schedule in FB_PAIRED, st.schedule in SPLIT_BACKWARD)
-        if skey not in sums:
-            per_kind = {}
-            for k in counts:
-                key, (lc, _) = layer_prices(graph, k, lay, target, st.dispatcher, cache,
-                                            st.precision)
-                if (key, skey[:2]) not in cache:
-                    cache[(key, skey[:2])] = floors(lc, st)
-                per_kind[k] = cache[(key, skey[:2])]
-            sums[skey] = piece_sums([per_kind[k] for k in slots], st)
-        bound = layout_bound(sums[skey], pp=lay.pp, num_microbatches=lay.num_microbatches, opt_floor_s=opt_floor)
-        out.append(((not est.fits, est.step_s), bound, lay, st))
-    return out
-
-
-class _Pool:
-    """``map`` / ``imap`` in forked worker processes (``workers`` of them, default the CPU count), or in this process
-    for one worker; the pool starts at the first call with more than one task."""
-
-    def __init__(self, workers: int | None) -> None:
-        self.workers = workers or os.cpu_count() or 1
-        self.pool: ProcessPoolExecutor | None = None
-
-    def __enter__(self) -> "_Pool":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
-            gc.unfreeze()  # a long-lived caller (a benchmark, the tests) can collect it again
-
-    def map(self, fn, tasks: list, chunksize: int = 1) -> list:  # type: ignore[no-untyped-def]
-        if self.workers <= 1 or len(tasks) <= 1:
-            return [fn(t) for t in tasks]
-        return list(self._executor().map(fn, tasks, chunksize=chunksize))
-
-    def imap(self, fn, tasks: Iterable) -> Iterator:  # type: ignore[no-untyped-def]
-        """``fn`` of each task, in order, with at most two tasks per worker submitted and not yet consumed (so
-        results the caller drops do not pile up, and ``tasks``, read lazily, may depend on the results so far)."""
-        if self.workers <= 1:
-            yield from (fn(t) for t in tasks)
-            return
-        pending: deque = deque()
-        for t in tasks:
-            pending.append(self._executor().submit(fn, t))
-            if len(pending) >= self.workers:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-
-    def _executor(self) -> ProcessPoolExecutor:
-        if self.pool is None:
-            # what exists now (torch, the traced graph) outlives the workers: freezing it keeps their collections
-            # from traversing it and their pages shared (the fork recipe of the gc module's docs)
-            gc.freeze()
-            self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("fork"))
-        return self.pool
 
 
 def _none_valid(layouts: list[Layout], rejected: Counter, examples: dict[str, Rejection]) -> LayoutError:

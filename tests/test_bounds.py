@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import moeplan.search as search_mod
+import moeplan.search_eval as search_eval
 from moeplan.bounds import floors, layout_bound, piece_sums, plan_bound, water_level
 from moeplan.cost_models.step import norm_s
 from moeplan.ir import named_layers
@@ -50,8 +50,8 @@ def _run(spec: ModelSpec, target: str, devices: int, *, candidates: int | None, 
 def test_bounds_hold_and_pruning_keeps_the_optimum(case):
     spec, target, devices = case
     with pytest.MonkeyPatch.context() as m:  # nothing pruned: every option simulated, every result kept
-        m.setattr(search_mod, "layout_bound", lambda *a, **k: 0.0)
-        m.setattr(search_mod, "plan_bound", lambda state: 0.0)
+        m.setattr(search_eval, "layout_bound", lambda *a, **k: 0.0)
+        m.setattr(search_eval, "plan_bound", lambda state: 0.0)
         every = _run(spec, target, devices, candidates=None, keep=10**6)
     assert every.num_pruned == 0 and every.num_evaluated == every.num_options
     tgt = load_target(target)

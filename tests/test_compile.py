@@ -80,7 +80,7 @@ def test_follow_ups_correct_each_estimate_by_what_its_class_measured():
     class (schedule, fb pairs); a class not simulated yet is taken as estimated; only what then beats the best step
     found goes, least corrected estimate first, at most `limit`."""
     from moeplan.layout import Layout
-    from moeplan.search import _follow_ups, _Outcome
+    from moeplan.search_eval import _follow_ups, _Outcome
     from moeplan.state import Strategy
 
     lay = Layout(tp=1, pp=2, vpp=2, ep=1, etp=1, cp=1, dp=1, micro_batch=1, global_batch=8, seq_len=16)
