@@ -4,25 +4,28 @@ the TUI and the exporters.
 ``save_plan`` writes atomically (temp file + rename); ``load_plan`` reads with ``yaml.safe_load``, validates the
 schema and the plan's internal consistency (:func:`check_plan`), and raises PlanError with one line otherwise.
 Saving then loading gives an equal plan.
+
+Beside it: moeplan/plan_schedule.py, the schedule's one-line-per-rank encoding (``encode_actions``,
+``decode_actions``) and the rule of ``p2p: derived`` lines; moeplan/plan_check.py, the consistency rules
+(``check_plan``).
 """
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Literal, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from moeplan.actions import (compute_parts, parse_action, placement_of, rank_chunk, stage_of, stage_rank,
-                             with_comms)
+from moeplan.actions import rank_chunk, stage_of, stage_rank
 from moeplan.errors import PlanError, validation_message
 from moeplan.files import read_yaml, write_atomic
-from moeplan.ir import kind_of, named_layers
 from moeplan.layout import Layout
 from moeplan.mechanisms import Mechanism
 from moeplan.names import Dispatcher, ScheduleKind
+from moeplan.plan_check import check_plan
+from moeplan.plan_schedule import _is_p2p, _with_p2p, decode_actions, encode_actions
 from moeplan.spec import ModelSpec
 from moeplan.targets import Target
 
@@ -362,66 +365,6 @@ class PlanSchedule(_Frozen):
                    ranks=[encode_actions(c if derived else a) for c, a in zip(compute, actions)])
 
 
-def _is_p2p(action: str) -> bool:
-    return "SEND_" in action or "RECV_" in action
-
-
-def _with_p2p(kind: ScheduleKind, compute: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
-    stages = [p.stage for acts in compute for a in acts for p in compute_parts(a)]
-    return [with_comms(acts, pp=len(compute), num_stages=1 + max(stages, default=0), placement=placement_of(kind))
-            for acts in compute]
-
-
-_MICROBATCH = re.compile(r"(?<=[A-Z_])\d+")  # a micro-batch number follows its action kind; a stage number does not
-_RUN = re.compile(r"<([^<>]+)>\*(\d+)|(\S+)")
-
-
-def _shift(action: str, by: int) -> str:
-    return _MICROBATCH.sub(lambda m: str(int(m.group()) + by), action)
-
-
-def encode_actions(actions: Sequence[str], *, longest_block: int = 12) -> str:
-    """One line for an action list: runs of an action (or of a block of up to ``longest_block`` actions) repeated
-    with every micro-batch number one higher each time are written ``A*N`` / ``<A B>*N`` (``PlanSchedule.ranks``);
-    greedy, taking at each position the run that covers the most actions. ``decode_actions`` inverts it."""
-    out: list[str] = []
-    i, n = 0, len(actions)
-    while i < n:
-        best_k, best_r = 1, 1
-        for k in range(1, min(longest_block, (n - i) // 2) + 1):
-            r = 1
-            while i + (r + 1) * k <= n and all(_shift(actions[i + j], r) == actions[i + r * k + j] for j in range(k)):
-                r += 1
-            if r > 1 and k * r > best_k * best_r:
-                best_k, best_r = k, r
-        block = actions[i:i + best_k]
-        out.append(block[0] if best_r == 1 else f"{block[0]}*{best_r}" if best_k == 1
-                   else f"<{' '.join(block)}>*{best_r}")
-        i += best_k * best_r
-    return " ".join(out)
-
-
-def decode_actions(line: str, *, where: str = "schedule.ranks") -> list[str]:
-    """The action list of one ``PlanSchedule.ranks`` line. Raises PlanError naming ``where`` and the token on a
-    malformed run or action."""
-    out: list[str] = []
-    for m in _RUN.finditer(line):
-        block, count, token = m.group(1), m.group(2), m.group(3)
-        if token is not None:
-            block, _, count = token.rpartition("*") if "*" in token else ("", "", "1")
-            block = block or token
-        if not count.isdigit() or int(count) < 1:
-            raise PlanError(f"{where}: {m.group()!r} is not a run (A*N or <A B>*N, N >= 1)")
-        acts = block.split()
-        for a in acts:
-            try:
-                parse_action(a)
-            except PlanError:
-                raise PlanError(f"{where}: {a!r} is not an action (e.g. 0F1, 0B1, 0SEND_F1)") from None
-        out += [_shift(a, r) for r in range(int(count)) for a in acts]
-    return out
-
-
 class PlanComm(_Frozen):
     """The EP token dispatcher and the overlap mechanisms that are on (docs/step-model.md §2–3)."""
 
@@ -567,61 +510,3 @@ def _non_finite(data: object, path: str = "") -> tuple[str, float] | None:
         if found is not None:
             return found
     return None
-
-
-def check_plan(plan: Plan) -> None:
-    """Check a plan's internal consistency; raise PlanError naming the first problem.
-
-    Rules: the model hash matches its spec; tp·cp·dp·pp equals the device count; the stages have pp ranks of vpp
-    chunks; every layer of the model sits on exactly one chunk (empty layers only as listed); the schedule has one
-    action list per PP rank and every action is of the pipelining notation on a stage the rank holds.
-    """
-    lay, spec = plan.layout, plan.model.spec
-    if spec.fingerprint() != plan.model.fingerprint:
-        raise PlanError(f"model.fingerprint={plan.model.fingerprint!r}: does not match the spec "
-                        f"({spec.fingerprint()}); the spec was edited")
-    if lay.tp * lay.cp * lay.dp * lay.pp != lay.num_devices:
-        raise PlanError(f"layout.num_devices={lay.num_devices}: must equal tp·cp·dp·pp "
-                        f"= {lay.tp * lay.cp * lay.dp * lay.pp}")
-    if len(plan.stages.chunks) != lay.pp or any(len(c) != lay.vpp for c in plan.stages.chunks):
-        raise PlanError(f"stages.chunks: must hold pp={lay.pp} ranks of vpp={lay.vpp} chunks")
-    _check_layers(plan)
-    _check_actions(plan)
-
-
-def _check_layers(plan: Plan) -> None:
-    spec, seen = plan.model.spec, {}
-    for r, chunks in enumerate(plan.stages.chunks):
-        for c, names in enumerate(chunks):
-            for n in names:
-                if n in seen:
-                    raise PlanError(f"stages: layer {n!r} is on pp rank {seen[n]} and pp rank {r}")
-                if n.startswith("empty."):
-                    if n not in plan.stages.empty_layers:
-                        raise PlanError(f"stages: empty layer {n!r} is not listed in stages.empty_layers")
-                else:
-                    try:
-                        kind_of(spec, n)
-                    except (KeyError, ValueError):
-                        raise PlanError(f"stages: layer {n!r} is not a layer of {plan.model.name}") from None
-                seen[n] = r
-    missing = [n for n, _ in named_layers(spec) if n not in seen]
-    if missing:
-        raise PlanError(f"stages: layer {missing[0]!r} is on no pp rank")
-
-
-def _check_actions(plan: Plan) -> None:
-    lay = plan.layout
-    if len(plan.schedule.actions) != lay.pp:
-        raise PlanError(f"schedule.actions: {len(plan.schedule.actions)} lists for pp={lay.pp} ranks")
-    for r, actions in enumerate(plan.schedule.actions):
-        own = {plan.stages.stage_of(r, c) for c in range(lay.vpp)}
-        for a in actions:  # well-formed: PlanSchedule decoded and parsed every action
-            parsed = parse_action(a)
-            for part in compute_parts(a) or ((parsed,) if parsed.microbatch >= 0 else ()):
-                if part.stage not in own:
-                    raise PlanError(f"schedule.actions[{r}]: {a!r} runs stage {part.stage}, which pp rank {r} does "
-                                    f"not hold")
-                if part.microbatch >= lay.num_microbatches:
-                    raise PlanError(f"schedule.actions[{r}]: {a!r} names micro-batch {part.microbatch} of "
-                                    f"{lay.num_microbatches}")

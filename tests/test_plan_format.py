@@ -1,10 +1,12 @@
-"""The plan on disk: the schedule's one-line-per-rank encoding and a described JSON Schema (moeplan/plan.py)."""
+"""The plan on disk: the schedule's one-line-per-rank encoding (moeplan/plan_schedule.py) and a described JSON Schema
+(moeplan/plan.py)."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from moeplan.errors import PlanError
 from moeplan.passes.schedule import build_actions
-from moeplan.plan import PlanSchedule, decode_actions, encode_actions, plan_json_schema
+from moeplan.plan import PlanSchedule, plan_json_schema
+from moeplan.plan_schedule import decode_actions, encode_actions
 
 _COMPUTE = st.sampled_from(["F", "B", "I", "W"])
 _ACTION = st.one_of(

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import yaml
 
-from moeplan.plan import SCHEMA_VERSION, PlanSchedule, encode_actions, load_plan, save_plan
+from moeplan.plan import SCHEMA_VERSION, PlanSchedule, load_plan, save_plan
+from moeplan.plan_schedule import encode_actions
 from moeplan.calibrate import LOADED_BYTES, LOADED_OPS, fit_alpha_launch
 from moeplan.runtime.checkpoint import newest_checkpoint
 from moeplan.runtime.data import stdlib_tokens
