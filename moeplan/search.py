@@ -161,7 +161,7 @@ def strategies(layout: Layout, *, graph: ModelGraph, target: Target, fixed: Fixe
         if fixed.overlap is not None:
             overlap = fixed.overlap
         else:
-            overlap = frozenset(m for m in caps.mechanisms() if _applies(m, kind, layout, graph, ep))
+            overlap = frozenset(m for m in caps.overlap if _applies(m, kind, layout, graph, ep))
         out.append(Strategy(schedule=kind, dispatcher=dispatcher, overlap=overlap, recompute=fixed.recompute,
                             precision=fixed.precision, recompute_modules=fixed.recompute_modules))  # type: ignore[arg-type]
     return out
@@ -206,7 +206,7 @@ def _check_fixed(fixed: Fixed, target: Target, num_devices: int) -> None:
                           f"(ZeRO-1 only); use --dp-shard 1")
     for name, chosen, allowed in (("schedule", [fixed.schedule] if fixed.schedule else [], caps.schedules),
                                    ("dispatcher", [fixed.dispatcher] if fixed.dispatcher else [], caps.dispatchers),
-                                   ("overlap", sorted(fixed.overlap or ()), caps.mechanisms())):
+                                   ("overlap", sorted(fixed.overlap or ()), caps.overlap)):
         bad = [c for c in chosen if c not in allowed]
         if bad:
             raise LayoutError(f"{name}={bad[0]!r}: the runtime behind target {target.name} executes only "

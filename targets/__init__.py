@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_serializer,
-                      field_validator)
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator
 
 from moeplan.errors import TargetError, validation_message
 from moeplan.files import read_yaml
@@ -190,10 +189,10 @@ class RuntimeSupport(BaseModel):
     dispatchers: tuple[Dispatcher, ...] = DISPATCHERS
     """EP token dispatchers the runtime executes: ``flat`` all-to-all, MindSpeed's ``hierarchical`` all-to-all-v,
     ``dedup`` (DeepEP-style, one copy per destination node)."""
-    overlap: tuple[Mechanism, ...] | Literal["all", "moeplan-runtime"] = "all"
+    overlap: tuple[Mechanism, ...] = Field(default_factory=lambda: tuple(MECHANISMS))
     """Overlap mechanisms the runtime executes (moeplan/mechanisms.py: ``shared-expert``, ``fb``, ``dp``, ``pp``):
-    a list, ``all`` (every registered one) or ``moeplan-runtime`` (those moeplan's own runtime runs); read it
-    through :meth:`mechanisms`."""
+    a list, or in a target file ``all`` (every registered one, the default) or ``moeplan-runtime`` (those moeplan's
+    own runtime runs), resolved to the list when the target is read."""
     weight_pass: Literal["weight-only", "whole-backward"] = "weight-only"
     """What a separate W action (zero-bubble, ZB-V, DualPipeV) runs: ``weight-only``, the dW kernels alone
     (Megatron-LM's and MindSpeed's zero-bubble split); ``whole-backward``, the stage's backward traversed again
@@ -215,18 +214,15 @@ class RuntimeSupport(BaseModel):
     ``always`` (moeplan's ``DistributedAdamW`` clones its fp32 shard whatever the model's dtype,
     moeplan/runtime/optimizer.py)."""
 
-    def mechanisms(self) -> tuple[str, ...]:
-        """The overlap mechanisms this runtime executes, in registry order (:attr:`overlap`)."""
-        if self.overlap == "all":
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _named_set(cls, value: object) -> object:
+        """``all`` and ``moeplan-runtime`` name a set of registered mechanisms, resolved here."""
+        if value == "all":
             return tuple(MECHANISMS)
-        if self.overlap == "moeplan-runtime":
+        if value == "moeplan-runtime":
             return runtime_mechanisms()
-        return self.overlap
-
-    @field_serializer("overlap")
-    def _resolved(self, overlap: object) -> tuple[str, ...]:
-        """Written out resolved: a plan records the mechanisms its search could choose from."""
-        return self.mechanisms()
+        return value
 
 
 class MemoryOverheads(BaseModel):
