@@ -16,7 +16,7 @@ from collections import Counter
 
 from search_quality import CASES
 
-from moeplan.compiler import parse_pipeline, run_pipeline
+from moeplan.compiler import Pipeline, run_pipeline
 from moeplan.cost_models.memory import budget_bytes
 from moeplan.estimate import estimate_memory, model_cost
 from moeplan.ir import named_layers
@@ -41,7 +41,7 @@ def run_case(model: str, target: str, devices: int, per_case: int, fsdp: bool = 
     for _, _, lay, st in ranked[:per_case]:
         cost = model_cost(graph, lay, tgt, st.dispatcher, st.overlap, Counter(kinds), {}, st.precision)
         est = estimate_memory(lay, st, cost, kinds=kinds, target=tgt, budget=budget, hidden_size=spec.hidden_size)
-        state, _ = run_pipeline(PlanState(graph=graph, target=tgt, layout=lay, strategy=st), parse_pipeline(PIPELINE))
+        state, _ = run_pipeline(PlanState(graph=graph, target=tgt, layout=lay, strategy=st), Pipeline.parse(PIPELINE).passes)
         passed = state.memory.stages
         diff = max(abs(e.total_bytes / p.total_bytes - 1) for e, p in zip(est.ranks(), passed))
         worst = max(worst, diff)

@@ -14,7 +14,7 @@ import argparse
 import json
 import time
 
-from moeplan.compiler import parse_pipeline, run_pipeline
+from moeplan.compiler import Pipeline, run_pipeline
 from moeplan.errors import InfeasibleError
 from moeplan.layout import Layout
 from moeplan.passes.plan_memory import PlanMemoryPass
@@ -46,7 +46,7 @@ def run_case(model: str, target: str, devices: int, degrees: dict, strategy: Str
     for mode in MODES:
         state = PlanState(graph=graph, target=tgt, layout=layout, strategy=Strategy(
             schedule=strategy.schedule, dispatcher=strategy.dispatcher, overlap=strategy.overlap, recompute=mode))
-        state, _ = run_pipeline(state, parse_pipeline("shard,partition-stages,place-experts,schedule"))
+        state, _ = run_pipeline(state, Pipeline.parse("shard,partition-stages,place-experts,schedule").passes)
         for budget in budgets:
             row = {"case": f"{model} on {devices} {target}", "layout": layout.short(), "budget_gib": budget,
                    "mode": mode}

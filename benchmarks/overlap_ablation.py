@@ -34,7 +34,7 @@ import argparse
 import json
 import time
 
-from moeplan.compiler import parse_pipeline, run_pipeline
+from moeplan.compiler import Pipeline, run_pipeline
 from moeplan.layout import Layout
 from moeplan.spec import load_spec
 from moeplan.state import PlanState, Strategy
@@ -80,7 +80,7 @@ def run_case(name: str, case: dict) -> list[dict]:
         strategy = Strategy(schedule=schedule, dispatcher=dispatcher, overlap=overlap,  # type: ignore[arg-type]
                             recompute=case["recompute"])
         state, _ = run_pipeline(PlanState(graph=graph, target=target, layout=layout, strategy=strategy),
-                                parse_pipeline(PIPELINE))
+                                Pipeline.parse(PIPELINE).passes)
         p, mem = state.prediction, state.memory
         assert p is not None and mem is not None
         ep = p.comm.get("ep", {})

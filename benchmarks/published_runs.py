@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flop_formulas import FORMULAS  # noqa: E402
 
 from moeplan.compiler import run_pipeline  # noqa: E402
-from moeplan.compiler import parse_pipeline  # noqa: E402
+from moeplan.compiler import Pipeline  # noqa: E402
 from moeplan.errors import LayoutError  # noqa: E402
 from moeplan.layout import Layout  # noqa: E402
 from moeplan.ir import named_layers  # noqa: E402
@@ -177,11 +177,11 @@ def compile_run(run: dict, pipeline: str, notes: list[str]) -> PlanState:
     strategy = _strategy(run, layout, graph, target, notes)
     start = PlanState(graph=graph, target=target, layout=layout, strategy=strategy)
     try:
-        return run_pipeline(start, parse_pipeline(pipeline.replace("partition-stages",
-                                                                   "partition-stages{layer_layout=uniform}")))[0]
+        return run_pipeline(start, Pipeline.parse(pipeline).with_option("partition-stages", "layer_layout",
+                                                                          "uniform").passes)[0]
     except LayoutError as e:
         notes.append(f"layer split: moeplan's ({e})")
-        return run_pipeline(start, parse_pipeline(pipeline))[0]
+        return run_pipeline(start, Pipeline.parse(pipeline).passes)[0]
 
 
 def predict(run: dict) -> Result:
@@ -245,7 +245,7 @@ def predict_dense(run: dict) -> Result:
     graph = trace_model(spec, seq_len=2048)
     strategy = _strategy(run, layout, graph, target, [])
     state, _ = run_pipeline(PlanState(graph=graph, target=target, layout=layout, strategy=strategy),
-                            parse_pipeline(PIPELINE))
+                            Pipeline.parse(PIPELINE).passes)
     p = state.prediction
     assert p is not None
     return Result(run["id"], None, measured, p.step_time_s, (), {"strategy": strategy.short(), "mfu": p.mfu})

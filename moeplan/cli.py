@@ -94,7 +94,7 @@ def compile_cmd(
 ) -> None:
     """Compile MODEL for DEVICES devices of TARGET into a plan."""
     from moeplan.compile import compile_model
-    from moeplan.compiler import DEFAULT_PIPELINE, with_option
+    from moeplan.compiler import DEFAULT_PIPELINE, Pipeline
     from moeplan.files import check_output
     from moeplan.plan import save_plan
     from moeplan.render import (layout_dict, predicted_dict, render_plan, render_search, search_dict, search_summary,
@@ -122,15 +122,15 @@ def compile_cmd(
     fixed = Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
                   cp=cp, micro_batch=micro_batch, dp_shard=shard, search_fsdp=dp_shard == "auto", precision=precision,
                   **strategy_options(schedule=schedule, dispatcher=dispatcher, overlap=overlap, recompute=recompute))
-    pipeline = pipeline or DEFAULT_PIPELINE
+    pipe = Pipeline.parse(pipeline or DEFAULT_PIPELINE)
     if memory_budget is not None:
         if not 0 < memory_budget <= tgt.memory_bytes / 2**30:
             raise LayoutError(f"memory_budget={memory_budget}: must be a positive number of GiB no larger than the "
                               f"device memory of {tgt.name} ({tgt.memory_bytes / 2**30:.1f} GiB)")
-        pipeline = with_option(pipeline, "plan-memory", "budget_gib", memory_budget)
-    check_pipeline(pipeline)
+        pipe = pipe.with_option("plan-memory", "budget_gib", memory_budget)
+    check_pipeline(pipe)
     res = compile_model(spec=spec, target=tgt, num_devices=devices, fixed=fixed,
-                        pipeline=pipeline, candidates=None if exact else max(candidates, top),
+                        pipeline=pipe, candidates=None if exact else max(candidates, top),
                         keep=top)
     if output:
         save_plan(res.plan, output)

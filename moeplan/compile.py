@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from moeplan import __version__
-from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline
+from moeplan.compiler import DEFAULT_PIPELINE, Pipeline
 from moeplan.mechanisms import ordered
 from moeplan.plan import (SCHEMA_VERSION, Plan, PlanCollective, PlanComm, PlanCommClass, PlanExperts, PlanLayerCost,
                           PlanLayerDecisions, PlanLayout, PlanMemory, PlanModel, PlanOpDecision, PlanPrecision,
@@ -28,22 +28,24 @@ class CompileResult:
 
 
 def compile_model(*, spec: ModelSpec, target: Target, num_devices: int, fixed: Fixed,
-                  pipeline: str = DEFAULT_PIPELINE, candidates: int | None = 4, workers: int | None = None,
+                  pipeline: str | Pipeline = DEFAULT_PIPELINE, candidates: int | None = 4, workers: int | None = None,
                   keep: int = 1) -> CompileResult:
     """Trace ``spec``, search layouts for ``num_devices`` devices of ``target`` and return the best plan;
     ``result.ranked`` holds the ``keep`` fastest of those evaluated (``candidates``: how many best estimates go
-    through the full pipeline; None: the exact search of moeplan.search).
+    through the full pipeline; None: the exact search of moeplan.search). ``pipeline``: a :class:`Pipeline` or its
+    text; the plan records it as ``str(pipeline)``.
 
     Raises SpecError / LayoutError / PlanError for bad input and InfeasibleError when no layout fits in memory.
     """
     t0 = time.perf_counter()
-    parse_pipeline(pipeline)  # reject a bad pipeline before any work
+    if not isinstance(pipeline, Pipeline):
+        pipeline = Pipeline.parse(pipeline)  # reject a bad pipeline before any work
     graph = trace_model(spec, seq_len=fixed.seq_len)
     trace_s = time.perf_counter() - t0
     result = search(graph=graph, target=target, num_devices=num_devices, fixed=fixed, pipeline=pipeline,
                     candidates=candidates, workers=workers, keep=keep)
     compile_s = time.perf_counter() - t0
-    plan = plan_from_state(result.ranked[0], pipeline=pipeline, compile_s=compile_s, trace_s=trace_s)
+    plan = plan_from_state(result.ranked[0], pipeline=str(pipeline), compile_s=compile_s, trace_s=trace_s)
     return CompileResult(plan=plan, result=result, compile_s=compile_s)
 
 

@@ -60,40 +60,78 @@ def _items(text: str) -> list[tuple[str, str | None]]:
     return out
 
 
-def parse_pipeline(text: str) -> tuple[Pass, ...]:
-    """Parse ``"shard,partition-stages{layer_layout=free},..."`` into configured passes; raise PlanError on an
-    unknown pass or option, a value of the wrong type, or a pass whose required decisions no earlier pass makes."""
-    registry = pass_registry()
-    available = set(_INITIAL)
-    passes: list[Pass] = []
-    for name, opts in _items(text):
-        if name not in registry:
-            raise PlanError(f"pipeline={name!r}: unknown pass; known: {', '.join(sorted(registry))}")
-        cls = registry[name]
-        missing = [r for r in cls.requires if r not in available]
-        if missing:
-            raise PlanError(f"pipeline={name!r}: needs {', '.join(missing)} from an earlier pass")
-        available.update(cls.provides)
-        passes.append(cls(**_options(cls, opts or "")))
-    return tuple(passes)
+@dataclass(frozen=True)
+class Pipeline:
+    """A checked pipeline: configured passes in order, and per pass the options that were set (in the order set).
+    ``str()`` prints it back in the pipeline syntax, as xDSL's ``PipelinePass`` specs go both ways: a pipeline
+    changes as objects (:meth:`with_option`), never as text."""
+
+    passes: tuple[Pass, ...]
+    options: tuple[tuple[str, ...], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Pipeline:
+        """Parse ``"shard,partition-stages{layer_layout=free},..."``; raise PlanError on an unknown pass or option,
+        a value of the wrong type, or a pass whose required decisions no earlier pass makes."""
+        registry = pass_registry()
+        available = set(_INITIAL)
+        passes: list[Pass] = []
+        options: list[tuple[str, ...]] = []
+        for name, opts in _items(text):
+            if name not in registry:
+                raise PlanError(f"pipeline={name!r}: unknown pass; known: {', '.join(sorted(registry))}")
+            pass_cls = registry[name]
+            missing = [r for r in pass_cls.requires if r not in available]
+            if missing:
+                raise PlanError(f"pipeline={name!r}: needs {', '.join(missing)} from an earlier pass")
+            available.update(pass_cls.provides)
+            values = _options(pass_cls, opts or "")
+            passes.append(pass_cls(**values))
+            options.append(tuple(values))
+        return cls(tuple(passes), tuple(options))
+
+    def __str__(self) -> str:
+        return ",".join(p.name + ("{" + ",".join(f"{k}={_text(getattr(p, k))}" for k in opts) + "}" if opts else "")
+                        for p, opts in zip(self.passes, self.options))
+
+    def with_option(self, pass_name: str, key: str, value: object) -> Pipeline:
+        """This pipeline with option ``key=value`` set on pass ``pass_name`` (how CLI flags become pass options: it
+        overrides one set before). Raises PlanError when there is no such pass, option or value."""
+        at = next((i for i, p in enumerate(self.passes) if p.name == pass_name), None)
+        if at is None:
+            raise PlanError(f"pipeline={str(self)!r}: has no {pass_name} pass to set {key} on")
+        p = self.passes[at]
+        values = _options(type(p), f"{key}={_text(value)}")
+        opts = self.options[at] if key in self.options[at] else (*self.options[at], key)
+        return Pipeline(self.passes[:at] + (dataclasses.replace(p, **values),) + self.passes[at + 1:],
+                        self.options[:at] + (opts,) + self.options[at + 1:])
+
+    def split_final(self, name: str) -> tuple[tuple[Pass, ...], Pass | None]:
+        """(the passes before the last, the last) when the last pass is ``name``; else (every pass, None)."""
+        if self.passes and self.passes[-1].name == name:
+            return self.passes[:-1], self.passes[-1]
+        return self.passes, None
+
+    @property
+    def provides(self) -> frozenset[str]:
+        """Every decision some pass of the pipeline makes."""
+        return frozenset(d for p in self.passes for d in p.provides)
+
+
+def _text(value: object) -> str:
+    """An option value in the pipeline syntax (``true``/``false`` for a bool)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def with_option(pipeline: str, pass_name: str, key: str, value: object) -> str:
-    """``pipeline`` with option ``key=value`` set on pass ``pass_name`` (how CLI flags become pass options: a
-    later option overrides an earlier one). Raises PlanError when the pipeline has no such pass."""
-    items = _items(pipeline)
-    if all(name != pass_name for name, _ in items):
-        raise PlanError(f"pipeline={pipeline!r}: has no {pass_name} pass to set {key} on")
-    out = []
-    for name, opts in items:
-        if name == pass_name:
-            opts = f"{opts},{key}={value}" if opts and opts.strip() else f"{key}={value}"
-        out.append(f"{name}{{{opts}}}" if opts else name)
-    return ",".join(out)
+    """Pipeline text ``pipeline`` with option ``key=value`` set on pass ``pass_name`` (:meth:`Pipeline.with_option`;
+    raises PlanError)."""
+    return str(Pipeline.parse(pipeline).with_option(pass_name, key, value))
 
 
 def _options(cls: type, text: str) -> dict:
-    """``k=v`` pairs of one pass, converted to its fields' types (bool, int, float, str or a Literal of them)."""
+    """``k=v`` pairs of one pass, converted to its fields' types (bool, int, float, str or a Literal of them); a
+    later value of a key overrides an earlier one."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     out = {}
@@ -103,6 +141,7 @@ def _options(cls: type, text: str) -> dict:
         if key not in fields:
             raise PlanError(f"pipeline={cls.name}{{{text}}}: {key!r} is not an option of {cls.name} (options: "
                             f"{', '.join(fields) or 'none'})")
+        out.pop(key, None)
         out[key] = _convert(cls.name, key, raw, hints[key])
     return out
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline
+from moeplan.compiler import DEFAULT_PIPELINE, Pipeline
 from moeplan.cost_models.dispatch import hierarchical_valid
 from moeplan.cost_models.layer_program import ep_transfer, expert_group
 from moeplan.cost_models.memory import gib_text
@@ -217,13 +217,12 @@ PLAN_DECISIONS = ("sharding", "stages", "experts", "schedule", "memory", "predic
 """What a compiled plan holds, each provided by a pass of the pipeline (moeplan.compile.plan_from_state)."""
 
 
-def check_pipeline(pipeline: str) -> None:
-    """Raise PlanError unless ``pipeline`` parses and its passes provide every decision of a plan (the search ranks
-    layouts by the ``simulate`` pass's step time, and a plan holds all of :data:`PLAN_DECISIONS`)."""
-    provided = {d for p in parse_pipeline(pipeline) for d in p.provides}
-    missing = [d for d in PLAN_DECISIONS if d not in provided]
+def check_pipeline(pipeline: Pipeline) -> None:
+    """Raise PlanError unless the passes of ``pipeline`` provide every decision of a plan (the search ranks layouts
+    by the ``simulate`` pass's step time, and a plan holds all of :data:`PLAN_DECISIONS`)."""
+    missing = [d for d in PLAN_DECISIONS if d not in pipeline.provides]
     if missing:
-        raise PlanError(f"pipeline={pipeline!r}: a compiled plan needs {', '.join(missing)}, which no pass of it "
+        raise PlanError(f"pipeline={str(pipeline)!r}: a compiled plan needs {', '.join(missing)}, which no pass of it "
                         f"provides (the default: {DEFAULT_PIPELINE})")
 
 
@@ -285,13 +284,13 @@ def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed:
     return Options(options, layouts, rejected, examples)
 
 
-def pipeline_budget(pipeline: str, target: Target) -> float:
+def pipeline_budget(pipeline: Pipeline, target: Target) -> float:
     """The bytes per device a plan may fill under ``pipeline``: its ``plan-memory`` pass's budget (``--memory-budget``
     or the device's memory), which every memory check of the search uses. Raises PlanError for a budget above the
     device's memory."""
     from moeplan.passes.plan_memory import PlanMemoryPass
 
-    found = [p for p in parse_pipeline(pipeline) if isinstance(p, PlanMemoryPass)]
+    found = [p for p in pipeline.passes if isinstance(p, PlanMemoryPass)]
     return (found[0] if found else PlanMemoryPass()).budget(target)
 
 
@@ -310,7 +309,7 @@ def rank_by_estimate(*, graph: ModelGraph, target: Target, options: list[tuple[L
         _SHARED.clear()
 
 
-def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed, pipeline: str,
+def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed, pipeline: Pipeline,
            candidates: int | None = 4, workers: int | None = None, keep: int = 1) -> SearchResult:
     """Find the fastest layouts; see the module docstring. ``candidates``: how many of the best estimates go through
     the full pipeline; None: every option whose lower bound is below the ``keep``-th best step found (exact).

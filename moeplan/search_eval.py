@@ -18,7 +18,7 @@ from multiprocessing import get_context
 from typing import Iterable, Iterator
 
 from moeplan.bounds import SPLIT_BACKWARD, PieceSums, floors, layout_bound, piece_sums, plan_bound
-from moeplan.compiler import parse_pipeline, run_pipeline
+from moeplan.compiler import Pipeline, run_pipeline
 from moeplan.cost_models.step import norm_s
 from moeplan.cost_models.timeline import StepExceeded
 from moeplan.errors import InfeasibleError, LayoutError
@@ -46,26 +46,25 @@ class Pruned:
     bound_s: float
 
 
-def _evaluate(args: tuple[Layout, Strategy, str, bool, float]) -> Evaluated | Rejection | Pruned:
+def _evaluate(args: tuple[Layout, Strategy, Pipeline, bool, float]) -> Evaluated | Rejection | Pruned:
     """Run the full pipeline on one option. ``beat``: the best step found so far; when the pipeline ends with
     ``simulate``, a plan whose lower bound is not below it stops before the simulation (a :class:`Pruned`)."""
     layout, strategy, pipeline, auto_overlap, beat = args
     graph, target = _SHARED["graph"], _SHARED["target"]
-    passes = parse_pipeline(pipeline)
-    split = len(passes) - 1 if passes[-1].name == "simulate" else len(passes)
+    passes, simulate = pipeline.split_final("simulate")
     tries = [strategy]
     if auto_overlap and "fb" in strategy.overlap:
         tries.append(replace(strategy, overlap=strategy.overlap - {"fb"}))
     for attempt in tries:
         try:
             state, timings = run_pipeline(PlanState(graph=graph, target=target, layout=layout, strategy=attempt),
-                                          passes[:split])
-            if split < len(passes) and state.memory is not None:
+                                          passes)
+            if simulate is not None and state.memory is not None:
                 bound = plan_bound(state)
                 if bound >= beat:
                     return Pruned(bound)
                 try:
-                    state, last = run_pipeline(state, (replace(passes[split], stop_above_s=beat),))
+                    state, last = run_pipeline(state, (replace(simulate, stop_above_s=beat),))
                 except StepExceeded as e:
                     return Pruned(e.at_s)
                 timings += last
@@ -87,7 +86,7 @@ def _estimate_all(pool: "_Pool", tasks: list[list[tuple[Layout, Strategy, tuple[
 
 
 def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, float]]], slots: list[LayerKind],
-                           weights: tuple[float, ...], target: Target, pipeline: str, candidates: int | None,
+                           weights: tuple[float, ...], target: Target, pipeline: Pipeline, candidates: int | None,
                            workers: int | None, keep: int, *, auto_overlap: bool) -> _Outcome:
     """Steps 4–6 of the module docstring in one pool of worker processes: the options of one layer-cost shape
     (:func:`_shape_key`) are priced, estimated and bounded together; the best estimates go through the full

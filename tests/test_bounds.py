@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import moeplan.search_eval as search_eval
 from moeplan.bounds import floors, layout_bound, piece_sums, plan_bound, water_level
+from moeplan.compiler import Pipeline
 from moeplan.cost_models.step import norm_s
 from moeplan.ir import named_layers
 from moeplan.search import Fixed, search
@@ -15,7 +16,7 @@ from moeplan.spec import ModelSpec, load_spec
 from moeplan.targets import load_target
 from moeplan.trace import trace_model
 
-PIPELINE = "shard,partition-stages,place-experts,schedule,plan-memory,simulate"
+PIPELINE = Pipeline.parse("shard,partition-stages,place-experts,schedule,plan-memory,simulate")
 TINY = load_spec("tiny-pangu")
 
 

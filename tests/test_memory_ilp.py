@@ -7,7 +7,7 @@ import random
 import pytest
 
 from moeplan.compile import compile_model
-from moeplan.compiler import parse_pipeline, with_option
+from moeplan.compiler import Pipeline, with_option
 from moeplan.cost_models.memory import in_flight_vectors
 from moeplan.cost_models.saved_tensors import LayerTensors, RedoOp, SavedTensor, layer_tensors
 from moeplan.cost_models.sharding import layer_cost, op_times_s
@@ -107,10 +107,11 @@ def test_in_flight_vectors_follow_the_action_list() -> None:
 
 
 def test_with_option_sets_a_pass_option() -> None:
-    text = with_option("shard,plan-memory{budget_fraction=0.9},simulate", "plan-memory", "budget_gib", 40.0)
-    assert text == "shard,plan-memory{budget_fraction=0.9,budget_gib=40.0},simulate"
+    head = "shard,partition-stages,place-experts,schedule,"
+    text = with_option(head + "plan-memory{budget_fraction=0.9},simulate", "plan-memory", "budget_gib", 40.0)
+    assert text == head + "plan-memory{budget_fraction=0.9,budget_gib=40.0},simulate"
     with pytest.raises(PlanError, match="has no plan-memory"):
-        with_option("shard,simulate", "plan-memory", "budget_gib", 1)
+        with_option("shard", "plan-memory", "budget_gib", 1)
 
 
 def test_ilp_plan_records_decisions_round_trips_and_is_runnable(tmp_path) -> None:
@@ -120,7 +121,7 @@ def test_ilp_plan_records_decisions_round_trips_and_is_runnable(tmp_path) -> Non
     need = max(r.total_bytes for r in roomy.memory.ranks)
     pipeline = with_option("shard,partition-stages,place-experts,schedule,plan-memory,simulate", "plan-memory",
                            "budget_gib", need * 0.9 / 2**30)
-    parse_pipeline(pipeline)
+    Pipeline.parse(pipeline)
     plan = compile_model(spec=spec, target=tgt, num_devices=2, fixed=fixed, pipeline=pipeline, workers=1).plan
     ranks = plan.memory.ranks
     assert all(r.recompute == "ilp" and r.solve_status == "optimal" for r in ranks)

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from moeplan.compile import compile_model
-from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline, run_pipeline, with_option
+from moeplan.compiler import DEFAULT_PIPELINE, Pipeline, run_pipeline, with_option
 from moeplan.cost_models.memory import (GIB, budget_bytes, comm_buffer_bytes, deepep_bytes, fsdp_gathered_bytes,
                                         fsdp_state_bytes, model_state_bytes)
 from moeplan.cost_models.saved_tensors import module_ops
@@ -63,7 +63,7 @@ def test_fsdp_shards_every_state_and_gathers_two_layers_or_the_stage():
     assert (ms.params_bytes, ms.grads_bytes, ms.optimizer_bytes) == (4 * 2, 4 * 2, 8 * 2)  # 1 + 1 parameters
     h100 = load_target("h100")
     state = run_pipeline(PlanState(graph=trace_model(TINY, seq_len=64), target=h100, layout=lay, strategy=Strategy()),
-                         parse_pipeline("shard"))[0]
+                         Pipeline.parse("shard").passes)[0]
     costs = state.sharding.layer_costs
     layers = [costs[LayerKind.MOE]] * 3 + [costs[LayerKind.DENSE]]
     params = sorted((lc.params for lc in layers), reverse=True)
@@ -88,7 +88,7 @@ def test_fsdp_under_pp_syncs_once_per_step_as_torch_pipelining_does():
     for gb in (16, 64):
         layout = Layout(**{**lay.__dict__, "global_batch": gb})
         state = run_pipeline(PlanState(graph=trace_model(TINY, seq_len=64), target=load_target("h100"),
-                                       layout=layout, strategy=Strategy()), parse_pipeline(DEFAULT_PIPELINE))[0]
+                                       layout=layout, strategy=Strategy()), Pipeline.parse(DEFAULT_PIPELINE).passes)[0]
         costs = state.sharding.layer_costs.values()
         assert not any(c.comm_class == "dp" for lc in costs for c in lc.comm)
         assert not any(s.name.startswith("fsdp_") for lc in costs for s in lc.program.fwd + lc.program.bwd_input)
@@ -155,7 +155,7 @@ def test_the_search_estimate_equals_the_memory_pass_on_every_rank(target, layout
     cost = model_cost(graph, lay, tgt, strategy.dispatcher, strategy.overlap, Counter(kinds), {}, strategy.precision)
     est = estimate_memory(lay, strategy, cost, kinds=kinds, target=tgt, budget=budget, hidden_size=TINY.hidden_size)
     state = run_pipeline(PlanState(graph=graph, target=tgt, layout=lay, strategy=strategy),
-                         parse_pipeline(UP_TO_MEMORY))[0]
+                         Pipeline.parse(UP_TO_MEMORY).passes)[0]
     for e, p in zip(est.ranks(), state.memory.stages, strict=True):
         assert e.recompute == p.recompute and e.in_flight_microbatches == p.in_flight_microbatches
         for _, f in MEMORY_TERMS:
@@ -167,7 +167,7 @@ def _layer_tensors(target: str, kind: LayerKind, **precision):
     tgt = load_target(target, training_dtype="fp8" if precision.pop("fp8", False) else None)
     lay = Layout(tp=1, pp=1, vpp=1, ep=1, etp=1, cp=1, dp=1, micro_batch=1, global_batch=8, seq_len=64)
     state = run_pipeline(PlanState(graph=trace_model(TINY, seq_len=64), target=tgt, layout=lay,
-                                   strategy=Strategy(precision=Precision(**precision))), parse_pipeline("shard"))[0]
+                                   strategy=Strategy(precision=Precision(**precision))), Pipeline.parse("shard").passes)[0]
     return _tensors(state, kind, {})
 
 

@@ -1,7 +1,7 @@
 """Golden tests per pass on tiny-pangu: each pass's decision checked against numbers derived independently."""
 import pytest
 
-from moeplan.compiler import parse_pipeline, run_pipeline
+from moeplan.compiler import Pipeline, run_pipeline
 from moeplan.cost_models.sharding import op_scale
 from moeplan.cost_models.timeline_types import RunSettings
 from moeplan.errors import InfeasibleError, PlanError
@@ -123,7 +123,7 @@ def test_plan_memory_picks_cheapest_fitting_mode():
 
 
 def test_simulate_prediction_consistent():
-    passes = parse_pipeline("shard,partition-stages,place-experts,schedule,plan-memory,simulate")
+    passes = Pipeline.parse("shard,partition-stages,place-experts,schedule,plan-memory,simulate").passes
     s, timings = run_pipeline(state(pp=2, dp=2, ep=2, global_batch=8), passes)
     p = s.prediction
     tokens = 8 * 64
@@ -139,9 +139,25 @@ def test_simulate_prediction_consistent():
 
 def test_pipeline_order_is_checked():
     with pytest.raises(PlanError, match="needs sharding"):
-        parse_pipeline("partition-stages,shard")
+        Pipeline.parse("partition-stages,shard")
     with pytest.raises(PlanError, match="unknown pass"):
-        parse_pipeline("shard,nope")
+        Pipeline.parse("shard,nope")
+
+
+def test_a_pipeline_prints_back_and_changes_as_an_object():
+    text = ("shard,partition-stages{layer_layout=free},place-experts,schedule,"
+            "plan-memory{budget_fraction=0.9,enforce=false},simulate")
+    p = Pipeline.parse(text)
+    assert str(p) == text and Pipeline.parse(str(p)) == p
+    q = p.with_option("plan-memory", "budget_gib", 2.5).with_option("plan-memory", "enforce", True)
+    assert str(q) == text.replace("enforce=false}", "enforce=true,budget_gib=2.5}") and str(p) == text
+    assert (q.passes[4].budget_gib, q.passes[4].enforce, q.passes[4].budget_fraction) == (2.5, True, 0.9)
+    body, last = q.split_final("simulate")
+    assert last is q.passes[-1] and body == q.passes[:-1] and q.split_final("shard") == (q.passes, None)
+    with pytest.raises(PlanError, match="has no place-experts pass"):
+        Pipeline.parse("shard").with_option("place-experts", "policy", "x")
+    with pytest.raises(PlanError, match="'nope' is not an option of plan-memory"):
+        p.with_option("plan-memory", "nope", 1)
 
 
 def test_partition_uniform_pads_with_empty_layers():
@@ -164,7 +180,7 @@ def test_simulate_optimizer_tail_on_an_eager_target():
     from moeplan.cost_models import step as sim
     from moeplan.cost_models.comm import collective_time_s
 
-    ready, _ = run_pipeline(state(pp=2), parse_pipeline("shard,partition-stages,place-experts,schedule,plan-memory"))
+    ready, _ = run_pipeline(state(pp=2), Pipeline.parse("shard,partition-stages,place-experts,schedule,plan-memory").passes)
     op_target = CPU.model_copy(update=dict(launch=CPU.launch.model_copy(update=dict(granularity="op"))))
     eager_s = sim.optimizer_s(ready, 0)
     op_s = sim.optimizer_s(ready.with_(target=op_target), 0)

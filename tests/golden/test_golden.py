@@ -30,7 +30,7 @@ from syrupy.extensions.single_file import SingleFileSnapshotExtension, WriteMode
 from typer.testing import CliRunner
 
 from moeplan import cli
-from moeplan.compiler import DEFAULT_PIPELINE, parse_pipeline
+from moeplan.compiler import DEFAULT_PIPELINE, Pipeline
 from moeplan.layout import Layout
 from moeplan.spec import load_spec
 from moeplan.state import PlanState, Strategy
@@ -160,7 +160,7 @@ def test_pass_state(case: str, tiny_graph, snapshot) -> None:
     layout, strategy = PASS_CASES[case]
     state = PlanState(graph=tiny_graph, target=load_target("cpu", devices_per_node=8), layout=Layout(**layout),
                       strategy=strategy)
-    for p in parse_pipeline(DEFAULT_PIPELINE):
+    for p in Pipeline.parse(DEFAULT_PIPELINE).passes:
         state = p.run(state)
         added = {name: to_data(getattr(state, name)) for name in p.provides}
         assert added == snapshot(name=p.name)
