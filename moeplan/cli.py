@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from moeplan.cli_errors import GuardedGroup, Invocation, err, exit_on_error, invocation_of
-from moeplan.cli_options import PIPELINE_HELP, choice, integer, positive, run_request, strategy_options
+from moeplan.cli_options import OVERLAP_HELP, PIPELINE_HELP, choice, integer, positive, run_request, strategy_options
 from moeplan.errors import LayoutError
 
 app = typer.Typer(cls=GuardedGroup, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -58,8 +58,7 @@ def compile_cmd(
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="tokens per sequence (default: the model's)"),
     schedule: str = typer.Option("auto", "--schedule", help="1f1b|interleaved|zero-bubble|zbv|dualpipev|auto"),
     dispatcher: str = typer.Option("auto", "--dispatcher", help="EP token dispatcher: flat|hierarchical|dedup|auto"),
-    overlap: str = typer.Option("auto", "--overlap",
-                                help="comma list of shared-expert,fb,dp,pp, or none, all, auto"),
+    overlap: str = typer.Option("auto", "--overlap", help=OVERLAP_HELP),
     recompute: str = typer.Option("auto", "--recompute",
                                   help="auto|none|selective|full (whole layers; auto: per PP rank), "
                                        "mindspeed|ilp-no-swap|ilp (per saved tensor), or modules:LIST in "

@@ -11,6 +11,7 @@ import os
 from typing import TYPE_CHECKING, Optional
 
 from moeplan.errors import LayoutError, PlanError
+from moeplan.mechanisms import MECHANISMS
 
 if TYPE_CHECKING:
     from moeplan.runtime.request import RunRequest
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
 PIPELINE_HELP = ("compiler passes in order, comma-separated, each with options in braces: shard, partition-stages, "
                  "place-experts, schedule, plan-memory, simulate (the default, in this order); e.g. "
                  "'shard,partition-stages{layer_layout=free},place-experts,schedule,plan-memory,simulate'")
+OVERLAP_HELP = ("comma list of the overlap mechanisms: "
+                + "; ".join(f"{m.name}: {m.summary}" for m in MECHANISMS.values()) + "; or none, all, auto")
 
 
 def choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -30,7 +33,6 @@ def choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
 def strategy_options(*, schedule: str, dispatcher: str, overlap: str, recompute: str) -> dict:
     """Fixed-choice fields of :class:`moeplan.search.Fixed` from the CLI's strings (``auto`` leaves a choice to the
     search). Raises LayoutError naming the flag, the value and the choices."""
-    from moeplan.mechanisms import MECHANISMS
     from moeplan.names import DISPATCHERS, SCHEDULES
 
     out: dict = {"recompute": recompute}
