@@ -411,11 +411,11 @@ def _embedding_steps(ops: Sequence[OpAnnotation], pair: TpPair | None, rest: str
 def forward_steps(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Target,
                   dispatcher: Dispatcher) -> list[Step]:
     """The forward steps of one layer of ``lg.kind`` (module docstring), each collective an overlap mechanism hides
-    tagged with its name (:func:`beside_compute`)."""
-    return beside_compute(_layer_steps(lg, spec=spec, layout=layout, target=target, dispatcher=dispatcher))
+    tagged with its name (:func:`_tag_hidden`)."""
+    return _tag_hidden(_layer_steps(lg, spec=spec, layout=layout, target=target, dispatcher=dispatcher))
 
 
-def beside_compute(steps: list[Step]) -> list[Step]:
+def _tag_hidden(steps: list[Step]) -> list[Step]:
     """``steps`` with ``async_by`` set on each collective step that a registered overlap mechanism ``hides``
     (moeplan/mechanisms.py) in a layer that has the step it hides behind: the timeline runs it beside compute when
     that mechanism is on."""
