@@ -26,13 +26,18 @@ that scheme; the deduplicating one sends each token once to each node its expert
 The memory plan is reported, not enforced (``plan-memory{enforce=false}``): the 718B ran with swapping and
 fine-grained recompute moeplan's memory pass does not model yet; a row whose plan does not fit is marked ``(!)``.
 
-Usage: ``python benchmarks/overlap_ablation.py [--json] [--only NAME]``.
+The rows are independent: they are predicted in ``--jobs`` processes (default: one per CPU), printed in order.
+
+Usage: ``python benchmarks/overlap_ablation.py [--json] [--only NAME] [--jobs N]``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from moeplan.compiler import Pipeline, run_pipeline
 from moeplan.layout import Layout
@@ -68,28 +73,42 @@ def rows(node_dispatcher: str, base: str) -> list[tuple[str, str, str, frozenset
     return out
 
 
-def run_case(name: str, case: dict) -> list[dict]:
+def run_row(name: str, label: str, dispatcher: str, schedule: str, overlap: frozenset[str]) -> dict:
+    """One row of case ``name``: its layout with ``dispatcher``, ``schedule`` and ``overlap`` through PIPELINE."""
+    case = CASES[name]
     spec = load_spec(name)
     target = load_target(case["target"], training_dtype=case["dtype"])
     lay = case["layout"]
     dp = case["devices"] // (lay["tp"] * lay["cp"] * lay["pp"])
     graph = trace_model(spec, seq_len=lay["seq_len"])
-    out = []
-    for label, dispatcher, schedule, overlap in rows(case["node_dispatcher"], case["base_schedule"]):
-        layout = Layout(dp=dp, **{**lay, "vpp": 1 if schedule == "1f1b" else lay["vpp"]})
-        strategy = Strategy(schedule=schedule, dispatcher=dispatcher, overlap=overlap,  # type: ignore[arg-type]
-                            recompute=case["recompute"])
-        state, _ = run_pipeline(PlanState(graph=graph, target=target, layout=layout, strategy=strategy),
-                                Pipeline.parse(PIPELINE).passes)
-        p, mem = state.prediction, state.memory
-        assert p is not None and mem is not None
-        ep = p.comm.get("ep", {})
-        out.append({"row": label, "dispatcher": dispatcher, "schedule": schedule, "overlap": sorted(overlap),
-                    "step_s": p.step_time_s, "mfu": p.mfu, "ep_total_s": ep.get("total_s"),
-                    "ep_overlap_steady": ep.get("steady_overlap_rate"), "ep_overlap_step": ep.get("overlap_rate"),
-                    "ep_inter_bytes": ep.get("inter_bytes"), "ep_intra_bytes": ep.get("intra_bytes"),
-                    "recompute": sorted({m.recompute for m in mem.stages}),
-                    "memory_fits": all(m.total_bytes <= mem.budget_bytes for m in mem.stages)})
+    layout = Layout(dp=dp, **{**lay, "vpp": 1 if schedule == "1f1b" else lay["vpp"]})
+    strategy = Strategy(schedule=schedule, dispatcher=dispatcher, overlap=overlap,  # type: ignore[arg-type]
+                        recompute=case["recompute"])
+    state, _ = run_pipeline(PlanState(graph=graph, target=target, layout=layout, strategy=strategy),
+                            Pipeline.parse(PIPELINE).passes)
+    p, mem = state.prediction, state.memory
+    assert p is not None and mem is not None
+    ep = p.comm.get("ep", {})
+    return {"row": label, "dispatcher": dispatcher, "schedule": schedule, "overlap": sorted(overlap),
+            "step_s": p.step_time_s, "mfu": p.mfu, "ep_total_s": ep.get("total_s"),
+            "ep_overlap_steady": ep.get("steady_overlap_rate"), "ep_overlap_step": ep.get("overlap_rate"),
+            "ep_inter_bytes": ep.get("inter_bytes"), "ep_intra_bytes": ep.get("intra_bytes"),
+            "recompute": sorted({m.recompute for m in mem.stages}),
+            "memory_fits": all(m.total_bytes <= mem.budget_bytes for m in mem.stages)}
+
+
+def run_cases(names: list[str], jobs: int) -> dict[str, list[dict]]:
+    """Every row of each case in ``names``, predicted in ``jobs`` processes (the rows are independent)."""
+    tasks = [(name, *row) for name in names for row in rows(CASES[name]["node_dispatcher"],
+                                                            CASES[name]["base_schedule"])]
+    if jobs == 1:
+        done = [run_row(*t) for t in tasks]
+    else:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
+            done = list(pool.map(run_row, *zip(*tasks)))
+    out: dict[str, list[dict]] = {name: [] for name in names}
+    for t, row in zip(tasks, done):
+        out[t[0]].append(row)
     return out
 
 
@@ -107,9 +126,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", default="")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes predicting rows (default: CPUs)")
     args = ap.parse_args()
+    if args.jobs < 1:
+        sys.exit(f"--jobs={args.jobs}: must be at least 1")
     t0 = time.perf_counter()
-    results = {name: run_case(name, case) for name, case in CASES.items() if args.only in name}
+    results = run_cases([name for name in CASES if args.only in name], args.jobs)
     if args.json:
         print(json.dumps(results, indent=1))
         return

@@ -14,15 +14,20 @@ virtual stage (Megatron-LM ``get_num_layers_to_build``, torchtitan's even split 
 The memory plan is not enforced here (``plan-memory{enforce=false}``), so that every run's step is priced; the
 table marks a run whose memory exceeds the device, and ``benchmarks/published_memory.py`` enforces it.
 
-Usage: ``python benchmarks/published_runs.py [--json] [--only ID_SUBSTRING] [--dense]``.
+The runs are independent: they are predicted in ``--jobs`` processes (default: one per CPU), the table in the
+YAML's order whatever the count.
+
+Usage: ``python benchmarks/published_runs.py [--json] [--only ID_SUBSTRING] [--dense] [--jobs N]``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,16 +265,24 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", default="")
     ap.add_argument("--dense", action="store_true", help="the dense Megatron-LM control runs instead")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes predicting runs (default: CPUs)")
     args = ap.parse_args()
+    if args.jobs < 1:
+        sys.exit(f"--jobs={args.jobs}: must be at least 1")
     t0 = time.perf_counter()
     if args.dense:
-        results = [predict_dense(r) for r in dense_runs() if args.only in r["id"]]
+        fn, runs = predict_dense, [r for r in dense_runs() if args.only in r["id"]]
     else:
         runs = [r for r in yaml.safe_load((HERE / "published_runs.yaml").read_text())["runs"] if args.only in r["id"]]
         for r in runs:
             if r.get("exclude"):
                 print(f"excluded {r['id']}: {r['exclude']}")
-        results = [predict(r) for r in runs if not r.get("exclude")]
+        fn, runs = predict, [r for r in runs if not r.get("exclude")]
+    if args.jobs == 1:
+        results = [fn(r) for r in runs]
+    else:
+        with ProcessPoolExecutor(max_workers=min(args.jobs, max(len(runs), 1))) as pool:
+            results = list(pool.map(fn, runs))
     groups: dict[str, list[Result]] = {}
     for r in results:
         if r.group:
