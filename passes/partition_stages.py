@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import accumulate
 from typing import ClassVar, Literal, Sequence
 
@@ -243,7 +244,7 @@ def split_runs(times: list[float], slots: list[int], *, pp: int, vpp: int, place
     else None, a note on what equal counts would cost) for pieces of ``times`` seconds of which ``slots`` are
     decoder layers (module docstring). Raises LayoutError for ``uniform`` when the slots cannot be spread evenly,
     or when there are fewer pieces than chunks."""
-    free = list(min_max_partition(times, pp * vpp).runs)  # without a capacity every split is feasible
+    free = list(_partition(tuple(times), pp * vpp, None, None).runs)  # without a capacity every split is feasible
     if placement == "v":
         free = balance_ranks(times, free, pp=pp, placement=placement)
     if layer_layout == "free":
@@ -265,7 +266,7 @@ def split_runs(times: list[float], slots: list[int], *, pp: int, vpp: int, place
 
 
 def _max_run(times: list[float], runs: list[int]) -> float:
-    starts = [sum(runs[:i]) for i in range(len(runs))]
+    starts = [0, *accumulate(runs)][:-1]
     return max(sum(times[s:s + r]) for s, r in zip(starts, runs))
 
 
@@ -274,7 +275,17 @@ def _uniform(times: list[float], slots: list[int], num_chunks: int) -> tuple[Par
     (more slots would be a different split, not padding), and that slot count; ``infeasible`` if the capacity is
     too small for the pieces' order."""
     cap = -(-sum(slots) // num_chunks)
-    return min_max_partition(times, num_chunks, slots=slots, capacity=cap), cap
+    return _partition(tuple(times), num_chunks, tuple(slots), cap), cap
+
+
+@lru_cache(maxsize=4096)
+def _partition(times: tuple[float, ...], num_chunks: int, slots: tuple[int, ...] | None, capacity: int | None
+               ) -> Partition:
+    """:func:`min_max_partition`, kept per arguments (a :class:`Partition` is immutable): the layout search splits
+    the same pieces for every (pp, vpp) of one chunk count and for both placements (moeplan/estimate.py), and
+    the free and the uniform split of each."""
+    return min_max_partition(list(times), num_chunks, slots=None if slots is None else list(slots),
+                             capacity=capacity)
 
 
 def _pad(names: list[str], missing: int, empties: list[str]) -> list[str]:
