@@ -34,6 +34,7 @@ Each target figure carries its source in its YAML file and in docs/targets.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from operator import attrgetter, mul, sub
 from typing import Iterable, Mapping, Sequence
 
 from moeplan.actions import compute_parts
@@ -135,7 +136,14 @@ def vectors_of(events: Iterable[tuple[str, int]], stages: Sequence[int]) -> tupl
             seen.add(tuple(live))
         elif kind in ("B", "W"):
             live[where[stage]] -= 1
-    return tuple(sorted(v for v in seen if not any(w != v and all(x >= y for x, y in zip(w, v)) for w in seen)))
+    # a vector another covers is covered by one of the vectors nothing covers (covering is transitive), and a
+    # covering vector has the larger sum (counts are integers): so, by decreasing sum, keep each vector none of
+    # those kept before covers
+    kept: list[tuple[int, ...]] = []
+    for v in sorted(seen, key=sum, reverse=True):
+        if not any(all(x >= y for x, y in zip(w, v)) for w in kept):
+            kept.append(v)
+    return tuple(sorted(kept))
 
 
 def activation_peak(vectors: Sequence[Sequence[int]], chunk_bytes: Sequence[float]) -> tuple[float, int]:
@@ -143,7 +151,7 @@ def activation_peak(vectors: Sequence[Sequence[int]], chunk_bytes: Sequence[floa
     micro-batch keeps ``chunk_bytes[c]`` on chunk ``c``."""
     best, count = 0.0, 0
     for v in vectors:
-        b = sum(n * x for n, x in zip(v, chunk_bytes))
+        b = sum(map(mul, v, chunk_bytes))
         if b > best or (b == best and sum(v) > count):
             best, count = b, sum(v)
     return best, count
@@ -251,16 +259,20 @@ def budget_bytes(target: Target, budget_gib: float = 0.0, fraction: float = 1.0)
     return target.memory_bytes * fraction
 
 
+_SAVED = {"none": attrgetter("saved_bytes"), "selective": attrgetter("saved_selective_bytes"),
+          "full": attrgetter("saved_full_bytes")}  # per whole-layer mode, a layer's saved bytes under it
+
+
 def saved_bytes(cost: LayerCost, mode: Recompute) -> int:
     """Activation bytes one micro-batch keeps on one device for this layer under whole-layer ``mode``."""
-    return {"none": cost.saved_bytes, "selective": cost.saved_selective_bytes, "full": cost.saved_full_bytes}[mode]
+    return _SAVED[mode](cost)
 
 
 def recompute_working_set(layers: Sequence[LayerCost], mode: Recompute) -> int:
     """Bytes one layer's backward re-makes under whole-layer ``mode`` (the largest of ``layers``): what it keeps
     under ``none`` less what ``mode`` keeps. Charged on top of the in-flight activations, as the per-tensor
     modes charge theirs (moeplan/memory_ilp.py), so the two families are priced alike."""
-    return max([0, *(saved_bytes(lc, "none") - saved_bytes(lc, mode) for lc in layers)])
+    return max([0, *map(sub, map(_SAVED["none"], layers), map(_SAVED[mode], layers))])
 
 
 def fsdp_state_bytes(*, dense_params: float, expert_params: float, layout: Layout, precision: Precision
@@ -295,9 +307,13 @@ def fsdp_gathered_bytes(layers: Sequence[LayerCost], layout: Layout, precision: 
     stages (gathered at their first forward, freed after the reduce-scatter) and their unsharded gradients,
     accumulated over the step's micro-batches (torch FSDP2 accumulates them in the reduce dtype, taken here as the
     recipe's ``grad_dtype``). 0 without FSDP."""
-    if layout.dp_shard <= 1 or not layers:
+    return _gathered(tuple(sorted((lc.params for lc in layers), reverse=True)), layout, precision, target)
+
+
+def _gathered(per_layer: Sequence[int], layout: Layout, precision: Precision, target: Target) -> float:
+    """:func:`fsdp_gathered_bytes` of layers of ``per_layer`` parameters (largest first)."""
+    if layout.dp_shard <= 1 or not per_layer:
         return 0.0
-    per_layer = sorted((lc.params for lc in layers), reverse=True)
     if fsdp_reshards(layout):
         return sum(per_layer[:2]) * target.dtype_bytes + per_layer[0] * DTYPE_BYTES[precision.grad_dtype]
     return sum(per_layer) * (target.dtype_bytes + DTYPE_BYTES[precision.grad_dtype])
@@ -308,11 +324,8 @@ def rank_model_states(layers: Sequence[LayerCost], layout: Layout, precision: Pr
     """(model states, largest op workspace) of one device holding ``layers`` (every chunk of its PP rank). A layer's
     copy of another's weights (the MTP's embedding, the MTP head's output layer) is a tensor of its own only on a
     rank without the owner: with it, the runtimes share the owner's (moeplan/runtime/build.py; Megatron-LM)."""
-    kinds = {lc.kind for lc in layers}
-    copies = sum(lc.shared_params for lc in layers if lc.shared_owner in kinds)
-    dense = sum(lc.params - lc.expert_params for lc in layers) - copies
-    expert = sum(lc.expert_params for lc in layers)
-    return layout_states(dense, expert, layout, precision, target), max([0, *(lc.workspace_bytes for lc in layers)])
+    lp = layer_parts([layers], modes=())
+    return layout_states(lp.dense_params, lp.expert_params, layout, precision, target), lp.workspace
 
 
 def layout_states(dense_params: float, expert_params: float, layout: Layout, precision: Precision, target: Target
@@ -357,14 +370,47 @@ class RankParts:
             in_flight_microbatches=held, working_set_bytes=self.working[mode], gathered_bytes=self.gathered), over)
 
 
+@dataclass(frozen=True)
+class LayerParts:
+    """What a device's memory needs of the layers it holds, whatever the layout (:func:`layer_parts`): its dense
+    and routed-expert parameter counts (a copy of weights whose owner it holds not counted: :func:`rank_model_states`),
+    each layer's parameters (largest first: FSDP's gathered copies), its largest workspace and, per whole-layer mode,
+    the bytes one micro-batch keeps on each chunk and the backward working set. Integers only, so the layout search
+    may keep one per distinct chunk layers (moeplan/estimate.py) and build :class:`RankParts` from it
+    (:func:`parts_on`) for every layout that splits its stages alike."""
+
+    dense_params: int
+    expert_params: int
+    params: tuple[int, ...]
+    workspace: int
+    chunk_bytes: Mapping[str, tuple[int, ...]]
+    working: Mapping[str, int]
+
+
+def layer_parts(chunks: Sequence[Sequence[LayerCost]], *, modes: Sequence[Recompute] = MODES) -> LayerParts:
+    """:class:`LayerParts` of a device whose chunk ``c`` holds the layers ``chunks[c]``."""
+    layers = [lc for lcs in chunks for lc in lcs]
+    kinds = {lc.kind for lc in layers}
+    copies = sum(lc.shared_params for lc in layers if lc.shared_owner in kinds)
+    dense = sum(lc.params - lc.expert_params for lc in layers) - copies
+    expert = sum(lc.expert_params for lc in layers)
+    return LayerParts(dense, expert, tuple(sorted((lc.params for lc in layers), reverse=True)),
+                      max([0, *(lc.workspace_bytes for lc in layers)]),
+                      {m: tuple(sum(map(_SAVED[m], lcs)) for lcs in chunks) for m in modes},
+                      {m: recompute_working_set(layers, m) for m in modes})
+
+
+def parts_on(parts: LayerParts, layout: Layout, precision: Precision, target: Target) -> RankParts:
+    """:class:`RankParts` of a device of ``layout`` holding the layers of ``parts``."""
+    return RankParts(layout_states(parts.dense_params, parts.expert_params, layout, precision, target),
+                     parts.workspace, _gathered(parts.params, layout, precision, target), parts.chunk_bytes,
+                     parts.working)
+
+
 def rank_parts(chunks: Sequence[Sequence[LayerCost]], *, layout: Layout, precision: Precision, target: Target,
                modes: Sequence[Recompute] = MODES) -> RankParts:
     """:class:`RankParts` of a device whose chunk ``c`` holds the layers ``chunks[c]``."""
-    layers = [lc for lcs in chunks for lc in lcs]
-    ms, workspace = rank_model_states(layers, layout, precision, target)
-    return RankParts(ms, workspace, fsdp_gathered_bytes(layers, layout, precision, target),
-                     {m: tuple(sum(saved_bytes(lc, m) for lc in lcs) for lcs in chunks) for m in modes},
-                     {m: recompute_working_set(layers, m) for m in modes})
+    return parts_on(layer_parts(chunks, modes=modes), layout, precision, target)
 
 
 def device_memory(rank: int, chunks: Sequence[Sequence[LayerCost]], vectors: Sequence[Sequence[int]], *,

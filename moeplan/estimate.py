@@ -15,8 +15,8 @@ from functools import lru_cache
 from typing import Mapping
 
 from moeplan.actions import Placement, placement_of, stage_of, stage_rank
-from moeplan.cost_models.memory import (MODES, Overheads, RankParts, layout_states, overheads, rank_parts,
-                                        state_bytes_per_param)
+from moeplan.cost_models.memory import (MODES, LayerParts, Overheads, RankParts, layer_parts, layout_states, overheads,
+                                        parts_on, state_bytes_per_param)
 from moeplan.cost_models.sharding import layer_cost
 from moeplan.cost_models.step import adam_s, beside_compute, dp_sync_s, owned_params, recompute_work, replica_reductions, step_sync_groups
 from moeplan.cost_models.timeline import action_time_s
@@ -44,6 +44,10 @@ class ModelCost:
     bwd_busy_s: Mapping[str, float] = field(default_factory=dict)  # per link tier: seconds its backward holds it
     layers: Mapping[LayerKind, LayerCost] = field(default_factory=dict)  # each kind's cost (the memory estimate)
     piece_s: Mapping[LayerKind, float] = field(default_factory=dict)  # what the partition pass splits by: piece_time_s
+    memory_parts: dict[tuple, LayerParts] = field(default_factory=dict, compare=False, repr=False)
+    """:func:`estimate_memory`'s :class:`~moeplan.cost_models.memory.LayerParts` per (chunk kinds, modes), filled as
+    it goes: they depend on ``layers`` alone (fixed here), so every layout estimated with this cost and split alike
+    reuses them (integers: the same figures)."""
 
 
 def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Dispatcher, overlap: frozenset,
@@ -208,10 +212,13 @@ def estimate_memory(layout: Layout, strategy: Strategy, cost: ModelCost, *, kind
     parts: dict[tuple, RankParts] = {}  # per distinct chunk layers: ranks of one split share most
     for r in range(layout.pp):
         chunk_kinds = tuple(stages[stage_of(r, c, pp=layout.pp, placement=placement)] for c in range(layout.vpp))
-        if chunk_kinds not in parts:
-            parts[chunk_kinds] = rank_parts([[cost.layers[k] for k in ck] for ck in chunk_kinds], layout=layout,
-                                            precision=strategy.precision, target=target, modes=modes)
-        rp = parts[chunk_kinds]
+        rp = parts.get(chunk_kinds)
+        if rp is None:
+            lp = cost.memory_parts.get((chunk_kinds, modes))
+            if lp is None:
+                lp = cost.memory_parts[(chunk_kinds, modes)] = layer_parts(
+                    [[cost.layers[k] for k in ck] for ck in chunk_kinds], modes=modes)
+            rp = parts[chunk_kinds] = parts_on(lp, layout, strategy.precision, target)
         for mode in modes:
             total = rp.total(vectors[r], mode, over)
             if total <= budget:
