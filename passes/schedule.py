@@ -112,6 +112,19 @@ def _interleaved_compute(pp: int, vpp: int, m: int, rank: int, extra: int = 0) -
     return ops
 
 
+class _Stage:
+    """What torch's schedule classes read of their stages while they build ``pipeline_order``: the group's rank and
+    size and the total stage count. torch's own ``get_schedule_ops`` passes ``mock.create_autospec(PipelineStage)``
+    for this, whose construction was most of a schedule's cost (26 ms of 29 ms at pp 2–16 on the 2-core machine);
+    tests/test_schedule.py checks the orders against ``get_schedule_ops``."""
+
+    submod = None
+    group_rank = 0
+
+    def __init__(self, pp: int, num_stages: int) -> None:
+        self.group_size, self.num_stages = pp, num_stages
+
+
 @lru_cache(maxsize=64)
 def torch_compute_order(kind: ScheduleKind, pp: int, vpp: int, num_microbatches: int) -> tuple[tuple[str, ...], ...]:
     """Per-rank compute actions of torch's schedule ``kind`` (zero-bubble, zbv, dualpipev), as strings.
@@ -120,12 +133,11 @@ def torch_compute_order(kind: ScheduleKind, pp: int, vpp: int, num_microbatches:
     own (:func:`with_comms`), so that lowering, most of the construction time at pp 32, is skipped."""
     from unittest import mock
 
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime, get_schedule_class
 
     with mock.patch.object(_PipelineScheduleRuntime, "_prepare_schedule_with_comms", lambda self, order: None):
-        ops = get_schedule_ops(_TORCH_NAMES[kind], pp, num_microbatches, num_stages_per_rank=vpp)
-    return tuple(tuple(str(a) for a in rank if a is not None) for rank in ops)
+        schedule = get_schedule_class(_TORCH_NAMES[kind])([_Stage(pp, pp * vpp)] * vpp, num_microbatches)
+    return tuple(tuple(str(a) for a in schedule.pipeline_order[r] if a is not None) for r in range(pp))
 
 
 def _texts(compute: Sequence[_Compute]) -> list[str]:

@@ -200,6 +200,32 @@ def test_zero_bubble_fits_exactly_when_torch_builds_it():
             assert built == fit.fits, (pp, m, fit.reason)
 
 
+@pytest.mark.parametrize("kind, vpp", [("zero-bubble", 2), ("zero-bubble", 3), ("zbv", 2), ("dualpipev", 2)])
+def test_torch_orders_are_what_torch_visualizer_builds(kind, vpp):
+    """torch_compute_order builds torch's schedules with a plain stand-in stage; torch's get_schedule_ops (an
+    autospec mock stage) gives the same per-rank compute actions, and fails for the same (pp, m)."""
+    from unittest import mock
+
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    from moeplan.passes.schedule import _TORCH_NAMES
+
+    for pp in (2, 4, 8):
+        for m in (pp - 1, pp, 2 * pp, 3 * pp + 1, 4 * pp):
+            try:
+                with mock.patch.object(_PipelineScheduleRuntime, "_prepare_schedule_with_comms", lambda self, o: None):
+                    ops = get_schedule_ops(_TORCH_NAMES[kind], pp, m, num_stages_per_rank=vpp)
+                want: object = tuple(tuple(str(a) for a in rank if a is not None) for rank in ops)
+            except ValueError:
+                want = ValueError
+            try:
+                got: object = torch_compute_order.__wrapped__(kind, pp, vpp, m)
+            except ValueError:
+                got = ValueError
+            assert got == want, (kind, pp, vpp, m)
+
+
 @pytest.mark.parametrize("kind, vpps", [("1f1b", (1,)), ("interleaved", (2, 3)), ("zero-bubble", (2,)),
                                         ("zbv", (2,)), ("dualpipev", (2,))])
 def test_in_flight_vectors_stop_changing_past_the_cap(kind, vpps):
