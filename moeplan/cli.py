@@ -298,11 +298,11 @@ def run_cmd(
     if devices is not None and devices != plan.layout.num_devices:
         raise PlanError(f"layout.num_devices={plan.layout.num_devices}: the plan is not for --devices {devices}")
     if resume:  # refused here in one line, not by a traceback per rank (under torchrun too)
-        from moeplan.runtime.checkpoint import check_layout, newest_checkpoint
+        from moeplan.runtime.checkpoint import newest_checkpoint, verify_checkpoint
 
         ref = newest_checkpoint(request.checkpoint_dir)
-        if ref is not None:
-            check_layout(ref, plan.layout)
+        if ref is not None:  # before any rank starts, and before torch reads a byte of it
+            verify_checkpoint(ref, layout=plan.layout, model=plan.model.fingerprint)
     if under_torchrun():
         from moeplan.runtime.worker import run_rank
 

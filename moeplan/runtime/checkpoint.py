@@ -1,10 +1,16 @@
 """Checkpoints with ``torch.distributed.checkpoint`` (docs/architecture.md §7): complete or absent, never half-written.
 
 Layout on disk: ``{dir}/step-{NNNNNNNN}/`` holds one DCP checkpoint (``.metadata`` plus one file per rank) and
-``moeplan.json`` (the step and the layout that wrote it). Every rank writes into ``{dir}/.step-{NNNNNNNN}.tmp/``;
-after ``dcp.save`` returns on every rank (the coordinator has written ``.metadata``) and a barrier, rank 0 renames
-the folder (an atomic ``rename`` on one filesystem), so a crash at any point leaves either the complete folder or
-no folder of that step. :func:`newest_checkpoint` ignores temporary folders.
+its manifest ``moeplan.json``: the step, the model's fingerprint (``plan.model.fingerprint``), the layout that wrote
+it and the sha256 of every other file. Every rank writes into ``{dir}/.step-{NNNNNNNN}.tmp/``; after ``dcp.save``
+returns on every rank (the coordinator has written ``.metadata``) and a barrier, rank 0 hashes the files, writes the
+manifest last and renames the folder (an atomic ``rename`` on one filesystem), so a crash at any point leaves either
+the complete folder or no folder of that step. :func:`newest_checkpoint` ignores temporary folders.
+
+Files are data: :func:`verify_checkpoint` checks the manifest (model, layout, step, the set of files and each
+hash) before torch reads anything, so a corrupt, truncated, swapped or foreign file is refused in one line. DCP keeps
+``.metadata`` as a pickle; it is read with an unpickler that builds only the classes DCP metadata holds
+(:data:`METADATA_GLOBALS`, torch dtypes), so a planted pickle runs nothing even with a manifest forged to match.
 
 State keys are prefixed with the global rank (``rank3/model/1/layers.4.mlp.experts.w1``), so nothing is treated as
 replicated across ranks and every rank restores exactly its own tensors; resuming therefore needs the same layout,
@@ -12,7 +18,9 @@ which :func:`load_checkpoint` checks.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import pickle
 import re
 import shutil
 from dataclasses import dataclass
@@ -22,6 +30,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch import nn
 
 from moeplan.errors import PlanError
@@ -29,6 +38,15 @@ from moeplan.plan import PlanLayout
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 INFO_FILE = "moeplan.json"
+_METADATA = ".metadata"
+#: the globals DCP's ``.metadata`` pickle refers to (torch 2.13, found by loading real checkpoints), besides the
+#: torch dtypes; anything else is refused unbuilt
+METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")})
 
 
 @dataclass(frozen=True)
@@ -55,8 +73,10 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
-def save_checkpoint(state: dict[str, torch.Tensor], *, root: str | Path, step: int, layout: PlanLayout) -> Path:
-    """Collective: write ``state`` of every rank as the checkpoint of ``step``; returns its final folder."""
+def save_checkpoint(state: dict[str, torch.Tensor], *, root: str | Path, step: int, layout: PlanLayout,
+                    model: str) -> Path:
+    """Collective: write ``state`` of every rank as the checkpoint of ``step`` of the model whose fingerprint is
+    ``model``; returns its final folder."""
     root = Path(root)
     tmp, final = root / f".step-{step:08d}.tmp", _step_dir(root, step)
     if dist.get_rank() == 0:
@@ -66,12 +86,22 @@ def save_checkpoint(state: dict[str, torch.Tensor], *, root: str | Path, step: i
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
-        (tmp / INFO_FILE).write_text(json.dumps({"step": step, "layout": layout.model_dump()}))
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        (tmp / INFO_FILE).write_text(json.dumps({"step": step, "model": model, "layout": layout.model_dump(),
+                                                 "files": files}))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
     dist.barrier()
     return final
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def newest_checkpoint(root: str | Path) -> CheckpointRef | None:
@@ -80,21 +110,88 @@ def newest_checkpoint(root: str | Path) -> CheckpointRef | None:
     if not root.is_dir():
         return None
     found = [CheckpointRef(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and (p / ".metadata").is_file() and (p / INFO_FILE).is_file()]
+             if (m := _STEP_DIR.match(p.name)) and (p / _METADATA).is_file() and (p / INFO_FILE).is_file()]
     return max(found, key=lambda c: c.step, default=None)
 
 
-def check_layout(ref: CheckpointRef, layout: PlanLayout) -> None:
-    """Raise PlanError (one line) unless ``ref`` was written by ``layout``."""
-    info = json.loads((ref.path / INFO_FILE).read_text())
-    if info["layout"] != layout.model_dump():
-        changed = sorted(k for k, v in layout.model_dump().items() if info["layout"].get(k) != v)
-        raise PlanError(f"checkpoint={str(ref.path)!r}: written by another layout ("
-                        + ", ".join(f"{k}={info['layout'].get(k)} vs {getattr(layout, k)}" for k in changed)
+def verify_checkpoint(ref: CheckpointRef, *, layout: PlanLayout, model: str) -> None:
+    """Raise PlanError (one line naming the checkpoint and what is wrong) unless ``ref``'s manifest says the model
+    of fingerprint ``model`` and ``layout`` wrote it at its step, the folder holds exactly the manifest's files, each
+    with its sha256, and ``.metadata`` refers to nothing outside :data:`METADATA_GLOBALS`. Reads files as bytes
+    only: nothing is unpickled before it passes."""
+    where = f"checkpoint={str(ref.path)!r}"
+    try:
+        info = json.loads((ref.path / INFO_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise PlanError(f"{where}: {INFO_FILE} is not readable JSON ({e}); resume needs a checkpoint moeplan "
+                        f"wrote") from None
+    if not isinstance(info, dict) or not isinstance(info.get("files"), dict) or "model" not in info:
+        raise PlanError(f"{where}: {INFO_FILE} has no model fingerprint and file hashes (written by an older moeplan "
+                        f"or by hand); resume needs a checkpoint whose files can be verified")
+    if info.get("step") != ref.step:
+        raise PlanError(f"{where}: {INFO_FILE} says step {info.get('step')!r}, the folder step {ref.step}")
+    if info["model"] != model:
+        raise PlanError(f"{where}: written for another model (fingerprint {info['model']} vs {model}); resume "
+                        f"needs the same model")
+    if info.get("layout") != layout.model_dump():
+        theirs = info.get("layout") if isinstance(info.get("layout"), dict) else {}
+        changed = sorted(k for k, v in layout.model_dump().items() if theirs.get(k) != v)
+        raise PlanError(f"{where}: written by another layout ("
+                        + ", ".join(f"{k}={theirs.get(k)} vs {getattr(layout, k)}" for k in changed)
                         + "); resume needs the same layout")
+    present = {p.name for p in ref.path.iterdir()} - {INFO_FILE}
+    for name in sorted(present ^ set(info["files"])):
+        raise PlanError(f"{where}: {name} is {'not in' if name in present else 'missing, though listed in'} "
+                        f"{INFO_FILE}; resume needs the checkpoint as it was written")
+    for name in sorted(present):
+        if not (ref.path / name).is_file() or _sha256(ref.path / name) != info["files"][name]:
+            raise PlanError(f"{where}: {name} does not match its sha256 in {INFO_FILE} (corrupt, truncated or "
+                            f"replaced); resume needs the checkpoint as it was written")
+    read_metadata(ref.path / _METADATA, where=where)
 
 
-def load_checkpoint(state: dict[str, torch.Tensor], ref: CheckpointRef, *, layout: PlanLayout) -> None:
-    """Collective: restore ``state`` in place from ``ref``. Raises PlanError if another layout wrote it."""
-    check_layout(ref, layout)
-    dcp.load(state, checkpoint_id=str(ref.path))
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                 torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refers to {module}.{name}, which checkpoint metadata never holds")
+
+
+def read_metadata(path: Path, *, where: str) -> object:
+    """DCP's ``.metadata`` at ``path``, built by an unpickler limited to :data:`METADATA_GLOBALS` and torch dtypes.
+    Raises PlanError (one line, ``where`` first) for anything else or a broken pickle."""
+    try:
+        with path.open("rb") as f:
+            return _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise PlanError(f"{where}: {path.name} {e}; not loaded") from None
+    except (OSError, EOFError, ValueError, TypeError, AttributeError) as e:
+        raise PlanError(f"{where}: {path.name} is not DCP metadata ({type(e).__name__}: {e}); not loaded") from None
+
+
+class _VerifiedReader(dcp.FileSystemReader):
+    """DCP's file reader with ``.metadata`` read by :func:`read_metadata` (the tensors DCP already reads with
+    ``torch.load(weights_only=True)``)."""
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = read_metadata(Path(self.path) / _METADATA, where=f"checkpoint={str(self.path)!r}")
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_checkpoint(state: dict[str, torch.Tensor], ref: CheckpointRef, *, layout: PlanLayout, model: str) -> None:
+    """Collective: restore ``state`` in place from ``ref``. Raises PlanError on every rank, before anything is
+    unpickled, unless :func:`verify_checkpoint` passes on rank 0 (which hashes the files once for all ranks)."""
+    error = [None]
+    if dist.get_rank() == 0:
+        try:
+            verify_checkpoint(ref, layout=layout, model=model)
+        except PlanError as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise PlanError(error[0])
+    dcp.load(state, storage_reader=_VerifiedReader(str(ref.path)))

@@ -230,7 +230,7 @@ def _resume(plan: Plan, request: RunRequest, setup: RankSetup, step_tensor: torc
                   file=sys.stderr)
         return 0
     state = rank_state(dist.get_rank(), setup.modules, setup.optimizer.state_tensors(), step_tensor)
-    load_checkpoint(state, ref, layout=plan.layout)
+    load_checkpoint(state, ref, layout=plan.layout, model=plan.model.fingerprint)
     setup.optimizer.sync_params()
     if dist.get_rank() == 0:
         print(f"moeplan run: resumed from checkpoint {ref.path} (after step {ref.step}); running steps "
@@ -276,7 +276,8 @@ def train(plan: Plan, request: RunRequest, *, device: torch.device,
         if request.checkpoint_every and (step + 1) % request.checkpoint_every == 0 and request.checkpoint_dir:
             step_tensor.fill_(step + 1)
             state = rank_state(dist.get_rank(), setup.modules, setup.optimizer.state_tensors(), step_tensor)
-            save_checkpoint(state, root=request.checkpoint_dir, step=step + 1, layout=plan.layout)
+            save_checkpoint(state, root=request.checkpoint_dir, step=step + 1, layout=plan.layout,
+                            model=plan.model.fingerprint)
     return records
 
 

@@ -26,6 +26,8 @@ from moeplan.runtime.checkpoint import newest_checkpoint
 from moeplan.runtime.data import stdlib_tokens
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from inprocess import run_moeplan  # noqa: E402
 from test_executor import make_plan  # noqa: E402
 
 STEPS = 6
@@ -132,6 +134,109 @@ def test_resume_from_another_layout_is_refused(setup, uninterrupted):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "step-00000006" in lines[0] and "dp=1 vs 2" in lines[0] and "resume needs the same layout" in lines[0]
+
+
+class _Plant:
+    """Unpickled, creates the file ``path`` (what a crafted checkpoint would run)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def _tampered(setup: Path, tmp_path: Path, change) -> Path:
+    """A copy of the uninterrupted run's checkpoints with ``change(step_folder)`` applied to the newest."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(setup / "ck_full", ck)
+    change(ck / "step-00000006")
+    return ck
+
+
+def _resume(setup: Path, ck: Path, plan: Path | None = None) -> subprocess.CompletedProcess:
+    """``moeplan run --resume`` in this process: refused before launch, or the test fails by launching ranks."""
+    return run_moeplan("run", str(plan or setup / "plan.yaml"), "--steps", "8", "--data", str(setup / "tokens.npy"),
+                   "--resume", "--checkpoint-dir", str(ck))
+
+
+def _flip_byte(folder: Path) -> None:
+    shard = next(p for p in sorted(folder.iterdir()) if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def _truncate(folder: Path) -> None:
+    shard = next(p for p in sorted(folder.iterdir()) if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:100])
+
+
+def _extra_file(folder: Path) -> None:
+    (folder / "__9_0.distcp").write_bytes(b"x")
+
+
+@pytest.mark.parametrize("change, says", [(_flip_byte, "does not match its sha256"),
+                                          (_truncate, "does not match its sha256"),
+                                          (_extra_file, "__9_0.distcp is not in moeplan.json")])
+def test_a_damaged_checkpoint_is_refused_before_launch(setup, uninterrupted, tmp_path, change, says):
+    proc = _resume(setup, _tampered(setup, tmp_path, change))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "step-00000006" in lines[0] and says in lines[0]
+
+
+@pytest.mark.parametrize("forge_manifest", [False, True])
+def test_a_planted_pickle_is_never_unpickled(setup, uninterrupted, tmp_path, forge_manifest):
+    """A ``.metadata`` that runs a command when unpickled: refused by its hash, and with the manifest forged to
+    match, by the unpickler that builds only what DCP metadata holds; either way the command never runs, in the
+    CLI's check or on a rank (moeplan.runtime.checkpoint.load_checkpoint)."""
+    import hashlib
+    import pickle
+
+    from moeplan.errors import PlanError
+    from moeplan.plan import load_plan
+    from moeplan.runtime.checkpoint import CheckpointRef, verify_checkpoint
+
+    pwned = tmp_path / "pwned"
+
+    def plant(folder: Path) -> None:
+        (folder / ".metadata").write_bytes(pickle.dumps(_Plant(str(pwned))))
+        if forge_manifest:
+            info = json.loads((folder / "moeplan.json").read_text())
+            info["files"][".metadata"] = hashlib.sha256((folder / ".metadata").read_bytes()).hexdigest()
+            (folder / "moeplan.json").write_text(json.dumps(info))
+
+    ck = _tampered(setup, tmp_path, plant)
+    proc = _resume(setup, ck)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert ("refers to posix.system" if forge_manifest else "does not match its sha256") in lines[0]
+    plan = load_plan(setup / "plan.yaml")
+    with pytest.raises(PlanError, match="not loaded|sha256"):
+        verify_checkpoint(CheckpointRef(6, ck / "step-00000006"), layout=plan.layout, model=plan.model.fingerprint)
+    assert not pwned.exists()
+
+
+def test_a_checkpoint_of_another_model_is_refused(setup, uninterrupted, tmp_path):
+    """Same layout, another model (tiny-pangu with 3 layers): the manifest's fingerprint tells them apart."""
+    from moeplan.compile import compile_model
+    from moeplan.search import Fixed
+    from moeplan.spec import ModelSpec, load_spec
+    from moeplan.targets import load_target
+
+    tiny = load_spec("tiny-pangu")
+    other = ModelSpec.model_validate({**tiny.model_dump(), "name": "tiny-other", "num_layers": tiny.num_layers - 1})
+    plan = compile_model(spec=other, target=load_target("cpu", devices_per_node=4), num_devices=2,
+                         fixed=Fixed(global_batch=8, seq_len=64, pp=2, vpp=1, tp=1, cp=1, micro_batch=4), workers=1,
+                         candidates=1).plan
+    save_plan(plan, tmp_path / "other.yaml")
+    proc = _resume(setup, setup / "ck_full", tmp_path / "other.yaml")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "written for another model" in lines[0] and "resume needs the same model" in lines[0]
 
 
 def test_the_killed_rank_is_named_not_the_rank_whose_receive_broke(tmp_path):
