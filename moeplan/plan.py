@@ -491,12 +491,31 @@ def load_plan(path: str | Path) -> Plan:
     if bad is not None:
         field = bad[0] if bad[0].isprintable() else repr(bad[0])
         raise PlanError(f"{field}={bad[1]!r}: must be a finite number (plan {path})")
+    text = _multi_line(data)
+    if text is not None:
+        field = text[0] if text[0].isprintable() else repr(text[0])
+        raise PlanError(f"{field}={text[1]!r}: a plan's text is one line of printable characters (no line breaks or "
+                        f"control characters; plan {path})")
     try:
         plan = Plan.model_validate(data)
     except ValidationError as e:
         raise PlanError(validation_message(e.errors()[0], where=f"plan {path}")) from None
     check_plan(plan)
     return plan
+
+
+def _multi_line(data: object, path: str = "") -> tuple[str, str] | None:
+    """The dotted path and value of the first string in a loaded document that holds a line break or another
+    control character, or None. Exporters write plan text into scripts and comments (moeplan/export), where a line
+    break would end a comment and start a command."""
+    if isinstance(data, str):
+        return None if data.isprintable() else (path or "plan", data)
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for k, v in items:
+        found = _multi_line(v, f"{path}.{k}" if path else str(k))
+        if found is not None:
+            return found
+    return None
 
 
 def _non_finite(data: object, path: str = "") -> tuple[str, float] | None:

@@ -413,3 +413,23 @@ def test_an_exporter_is_one_registered_function(plans, tmp_path, monkeypatch, ca
         registry.register("layout-json", source="again")(layout_json)
     with pytest.raises(PlanError, match=r"to='nemo': must be one of megatron, .*, layout-json"):
         export_plan(plans["pp2vpp2"], "nemo")
+
+
+def test_plan_text_cannot_break_out_of_an_exported_script(plans, tmp_path):
+    """A plan field holding a line break (``label: "x'\\ntouch pwned #"``) would end the ``#`` comment of an
+    exported script and start a command: the plan is refused with one line naming the field, and a note that holds
+    one stays commented line by line."""
+    import re
+
+    from moeplan.export.registry import Export
+
+    path = tmp_path / "p.yaml"
+    save_plan(plans["ilp"], path)
+    text, n = re.subn(r"label: [^\n]*", lambda m: 'label: "x\'\\ntouch pwned #"', path.read_text(), count=1)
+    assert n == 1
+    path.write_text(text)
+    with pytest.raises(PlanError, match=r"\.label=.*one line of printable characters") as e:
+        export_file(path, "megatron")
+    assert "\n" not in str(e.value)
+    doc = Export("megatron", "--tp 1\n", ("fine", "x'\ntouch pwned #"), commented=True).document()
+    assert [ln for ln in doc.splitlines() if not ln.startswith("#")] == ["--tp 1"]

@@ -26,7 +26,8 @@ class Export:
         head = [f"# moeplan export --to {self.target} · {EXPORTERS[self.target].source}"]
         if self.notes:
             head.append("# not expressed by this runtime (as planned by moeplan):")
-            head += [f"#   - {n}" for n in self.notes]
+            head += [f"#   {'-' if i == 0 else ' '} {line}" for n in self.notes
+                     for i, line in enumerate(n.splitlines() or [""])]  # a line break in a note stays commented
         return "\n".join(head) + "\n" + self.text
 
 
