@@ -7,10 +7,12 @@ A refused value raises a one-line ``ValueError`` subclass of MoeplanError naming
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING, Optional
 
 from moeplan.errors import LayoutError, PlanError
+from moeplan.files import check_output
 from moeplan.mechanisms import MECHANISMS
 
 if TYPE_CHECKING:
@@ -87,15 +89,26 @@ def run_request(plan_path: str, *, steps: int, metrics: Optional[str], data: Opt
                 force_balanced_routing: bool, no_pin: bool) -> RunRequest:
     """The :class:`RunRequest` of ``moeplan run``'s options, its paths made absolute (the printed torchrun command
     may run in another directory). Raises PlanError for a negative ``checkpoint_every``, a ``timeout`` or ``lr``
-    that is not positive, and checkpoints asked for without ``checkpoint_dir``; ``steps`` and ``meter_every`` are
-    the caller's to check (:func:`positive`)."""
+    that is not a finite positive number, checkpoints asked for without ``checkpoint_dir`` or into a file, and a
+    ``metrics`` file that cannot be written or is the run's plan or data file; OutputError for a ``metrics`` path
+    :func:`~moeplan.files.check_output` refuses. ``steps`` and ``meter_every`` are the caller's to check
+    (:func:`positive`)."""
     from moeplan.runtime.request import RunRequest  # pydantic: not imported for the other commands
 
-    if checkpoint_every < 0 or timeout <= 0 or lr <= 0:
-        raise PlanError(f"checkpoint_every={checkpoint_every}, timeout={timeout}, lr={lr}: checkpoint_every must be "
-                        f">= 0, timeout and lr > 0")
+    if checkpoint_every < 0:
+        raise PlanError(f"checkpoint_every={checkpoint_every}: must be >= 0")
+    for name, value in (("timeout", timeout), ("lr", lr)):
+        if not (math.isfinite(value) and value > 0):
+            raise PlanError(f"{name}={value}: must be a finite number > 0")
     if (checkpoint_every or resume) and not checkpoint_dir:
         raise PlanError("checkpoint_dir=None: --checkpoint-every and --resume need --checkpoint-dir")
+    if checkpoint_dir and os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+        raise PlanError(f"checkpoint_dir={checkpoint_dir!r}: is a file; name a folder")
+    if metrics:  # before launch: the ranks would fail on it one by one
+        check_output(metrics, field="metrics")
+        for name, other in (("plan", plan_path), ("data", data)):
+            if other and os.path.realpath(metrics) == os.path.realpath(other):
+                raise PlanError(f"metrics={metrics!r}: is the {name} file of this run; name another file")
 
     def absolute(path: Optional[str]) -> Optional[str]:
         return os.path.abspath(path) if path else None

@@ -1,10 +1,11 @@
-"""File I/O shared by the commands: atomic output (a reader never sees a half-written file, and a failed write leaves
-nothing behind, with one-line errors) and the text, YAML and JSON readers whose errors are one line: unreadable,
+"""File I/O shared by the commands: atomic output (a reader never sees a half-written file, a failed write leaves
+nothing behind, with one-line errors, and nothing but a regular file the user may write is ever replaced) and the text, YAML and JSON readers whose errors are one line: unreadable,
 not UTF-8, malformed, or nested too deeply (the limits: docs/inputs.md)."""
 from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -15,36 +16,65 @@ from moeplan.errors import MoeplanError, OutputError
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's safe loader when built in: plans are large
 
 
+_KINDS = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO",
+          stat.S_IFSOCK: "a socket"}
+
+
+def _existing(path: Path, field: str) -> tuple[Path, os.stat_result | None]:
+    """The file a write to ``path`` replaces — a symlink's target (the link stays) — and its status (None: no file
+    yet). Raises OutputError (one line) for a folder, anything but a regular file (devices, FIFOs, sockets: ``-o
+    /dev/null`` must not turn the device into a file) and a read-only file (root included: its mode says
+    read-only, so moeplan does not replace it)."""
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    try:
+        st = target.stat()
+    except FileNotFoundError:
+        return target, None
+    except OSError as e:
+        raise OutputError(f"{field}={str(path)!r}: cannot write ({e.strerror or e})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise OutputError(f"{field}={str(path)!r}: is a folder; name a file")
+    if not stat.S_ISREG(st.st_mode):
+        raise OutputError(f"{field}={str(path)!r}: is {_KINDS.get(stat.S_IFMT(st.st_mode), 'not a regular file')}; "
+                          f"moeplan writes only regular files")
+    if not st.st_mode & 0o222 or not os.access(target, os.W_OK):
+        raise OutputError(f"{field}={str(path)!r}: is read-only (mode {stat.filemode(st.st_mode)}); moeplan does not "
+                          f"replace it")
+    return target, st
+
+
 def check_output(path: str | Path, *, field: str = "output") -> None:
     """Raise OutputError (one line naming ``field`` and ``path``) unless a file can be written at ``path``: its
-    folder exists and is writable, and ``path`` is not a folder. Commands call it before their work, so a long
-    compile does not end in a refusal."""
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
+    folder exists and is writable, and ``path`` is a regular file that may be written or no file yet (a symlink:
+    its target). Commands call it before their work, so a long compile does not end in a refusal."""
+    target, _ = _existing(Path(path), field)
+    folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
         raise OutputError(f"{field}={str(path)!r}: folder {str(folder)!r} does not exist")
-    if path.is_dir():
-        raise OutputError(f"{field}={str(path)!r}: is a folder; name a file")
     if not os.access(folder, os.W_OK):
         raise OutputError(f"{field}={str(path)!r}: folder {str(folder)!r} is not writable")
 
 
 def write_atomic(path: str | Path, data: str | bytes, *, field: str = "output") -> None:
-    """Write ``data`` to ``path``: a temp file in the same folder, then a rename. Permissions follow the umask
-    (``mkstemp`` alone would create 0600). Raises OutputError (one line naming ``field``, the path and the file
-    system's reason) when it cannot; nothing is left behind then."""
-    path = Path(path)
+    """Write ``data`` to ``path``: a temp file in the same folder, then a rename. A symlink is written through (its
+    target replaced, the link kept); an existing file keeps its mode, a new one follows the umask (``mkstemp``
+    alone would create 0600). Raises OutputError (one line naming ``field``, the path and the reason) when it
+    cannot, or for a target :func:`check_output` refuses; nothing is left behind then."""
+    target, st = _existing(Path(path), field)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
     except OSError as e:
         raise OutputError(f"{field}={str(path)!r}: cannot write ({e.strerror or e})") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
+        if st is not None:
+            os.chmod(tmp, stat.S_IMODE(st.st_mode))
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, target)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(e, OSError):

@@ -1,0 +1,92 @@
+"""Hardening (issue 34): nothing a user owns is destroyed, and bad run options are refused before launch, with one
+line and exit 2. (Checkpoints as data: tests/runtime/test_checkpoint_faults.py; plan text: tests/test_export.py.)"""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from inprocess import run_moeplan
+from moeplan.errors import OutputError
+from moeplan.files import check_output, write_atomic
+
+COMPILE = ["compile", "tiny-pangu", "--target", "cpu", "--devices", "2"]
+
+
+def test_a_device_is_never_replaced_by_a_file(tmp_path):
+    """``-o /dev/null`` (or ``/dev/full``) as root used to turn the device into a regular file. Tested on a device
+    node of the test's own (null's numbers, made in tmp_path), so a regression harms no device of the machine."""
+    device = tmp_path / "null"
+    try:
+        os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("making a device node needs root")
+    proc = run_moeplan(*COMPILE, "-o", device)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "is a character device; moeplan writes only regular files" in proc.stderr
+    assert stat.S_ISCHR(os.stat(device).st_mode) and os.stat(device).st_rdev == os.makedev(1, 3)
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(OutputError, match="is a FIFO"):
+        write_atomic(fifo, "x")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_a_read_only_file_is_kept(tmp_path):
+    """Also as root, whom the file system would let replace it: the mode says read-only."""
+    out = tmp_path / "plan.yaml"
+    out.write_text("mine")
+    out.chmod(0o444)
+    proc = run_moeplan(*COMPILE, "-o", out)
+    assert proc.returncode == 2 and "is read-only (mode -r--r--r--)" in proc.stderr, proc.stderr
+    assert out.read_text() == "mine" and stat.S_IMODE(out.stat().st_mode) == 0o444
+
+
+def test_a_symlink_is_written_through_and_modes_are_kept(tmp_path):
+    target = tmp_path / "real.yaml"
+    target.write_text("old")
+    target.chmod(0o640)
+    link = tmp_path / "link.yaml"
+    link.symlink_to(target)
+    write_atomic(link, "new")
+    assert link.is_symlink() and link.read_text() == "new" and target.read_text() == "new"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.yaml", "real.yaml"]  # no temp file left
+
+
+def test_check_output_refuses_before_the_work(tmp_path):
+    with pytest.raises(OutputError, match="does not exist"):
+        check_output(tmp_path / "nodir" / "x.yaml")
+    with pytest.raises(OutputError, match="is a folder"):
+        check_output(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("adv") / "plan.yaml"
+    assert run_moeplan(*COMPILE, "-o", path).returncode == 0
+    return path
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--metrics", "{plan}"], "metrics='{plan}': is the plan file of this run"),
+    (["--metrics", "{dir}/nodir/m.jsonl"], "does not exist"),
+    (["--metrics", "{dir}"], "is a folder"),
+    (["--checkpoint-dir", "{plan}", "--checkpoint-every", "2"], "checkpoint_dir='{plan}': is a file"),
+    (["--lr", "inf"], "lr=inf: must be a finite number > 0"),
+    (["--lr", "nan"], "lr=nan: must be a finite number > 0"),
+    (["--timeout", "nan"], "timeout=nan: must be a finite number > 0"),
+    (["--timeout", "inf"], "timeout=inf: must be a finite number > 0"),
+])
+def test_run_options_are_refused_before_launch(plan, options, says):
+    fill = {"plan": str(plan), "dir": str(plan.parent)}
+    before = plan.read_bytes()
+    proc = run_moeplan("run", plan, "--steps", "2", *(o.format(**fill) for o in options))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert says.format(**fill) in proc.stderr
+    assert plan.read_bytes() == before
