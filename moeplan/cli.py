@@ -323,7 +323,13 @@ def run_cmd(
     if data is not None:
         check_tokens(file_tokens(data), vocab_size=plan.model.spec.vocab_size, seq_len=plan.layout.seq_len)
     try:
-        launch_local(plan, request)
+        if request.checkpoint_dir:  # held by this launcher for the whole run (under torchrun: not checked)
+            from moeplan.runtime.checkpoint import checkpoint_lock
+
+            with checkpoint_lock(request.checkpoint_dir):
+                launch_local(plan, request)
+        else:
+            launch_local(plan, request)
     except RunInterrupted as e:
         err.print(f"moeplan run: {e}", markup=False)
         raise typer.Exit(e.exit_code)

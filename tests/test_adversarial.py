@@ -90,3 +90,22 @@ def test_run_options_are_refused_before_launch(plan, options, says):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert says.format(**fill) in proc.stderr
     assert plan.read_bytes() == before
+
+
+def test_two_runs_cannot_share_a_checkpoint_dir(plan, tmp_path):
+    """While one run holds ``--checkpoint-dir`` (its lock: moeplan.runtime.checkpoint.checkpoint_lock), a second is
+    refused before launch, naming the holder; once the first ends, the folder is free again."""
+    from moeplan.errors import PlanError
+    from moeplan.runtime.checkpoint import checkpoint_lock
+
+    ck = tmp_path / "ck"
+    with checkpoint_lock(ck):
+        proc = run_moeplan("run", plan, "--steps", "2", "--checkpoint-dir", ck, "--checkpoint-every", "1")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"another moeplan run (pid {os.getpid()}) is using it" in proc.stderr
+        with pytest.raises(PlanError, match="another moeplan run"):
+            with checkpoint_lock(ck):
+                pass
+    with checkpoint_lock(ck):
+        pass
+    assert not any(p.name.startswith("step-") for p in ck.iterdir())

@@ -18,14 +18,17 @@ which :func:`load_checkpoint` checks.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
 import pickle
 import re
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -67,6 +70,32 @@ def rank_state(rank: int, modules: Mapping[int, nn.ModuleDict], optim_state: Map
     for name, t in optim_state.items():
         state[f"rank{rank}/optim/{name}"] = t
     return state
+
+
+@contextmanager
+def checkpoint_lock(root: str | Path) -> Iterator[None]:
+    """Hold ``root`` (a run's ``--checkpoint-dir``, created if missing) for one run: an exclusive ``flock`` on
+    ``root/.lock``, which records the holder's pid and is released when the holder exits, however it exits. Two runs
+    writing one folder would mix their tensors in each other's checkpoints. Raises PlanError (one line, naming the
+    holder's pid) when another run holds it."""
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise PlanError(f"checkpoint_dir={str(root)!r}: cannot use it ({e.strerror or e})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip()
+            raise PlanError(f"checkpoint_dir={str(root)!r}: another moeplan run (pid {holder or '?'}) is using it; "
+                            f"give each run its own folder") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        os.close(fd)
 
 
 def _step_dir(root: Path, step: int) -> Path:

@@ -82,8 +82,8 @@ def uninterrupted(setup) -> dict[int, float]:
                    "--metrics", str(setup / "full.jsonl"), "--checkpoint-every", "2", "--checkpoint-dir",
                    str(setup / "ck_full"))
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in (setup / "ck_full").iterdir()) == ["step-00000002", "step-00000004",
-                                                                   "step-00000006"]
+    assert sorted(p.name for p in (setup / "ck_full").iterdir()) == [".lock", "step-00000002", "step-00000004",
+                                                                   "step-00000006"]  # .lock: the run's hold
     return losses(setup / "full.jsonl")
 
 
