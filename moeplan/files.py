@@ -13,7 +13,43 @@ import yaml
 
 from moeplan.errors import MoeplanError, OutputError
 
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's safe loader when built in: plans are large
+def _strict(loader: type) -> type:
+    """``loader`` refusing a mapping that states one key twice (YAML 1.2 forbids it; PyYAML keeps the last value
+    without a word). A merge (``<<: *anchor``) may still be overridden by the mapping's own keys, as YAML's merge
+    rule says."""
+
+    class Strict(loader):  # type: ignore[misc, valid-type]
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                seen: set = set()
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        duplicate = key in seen
+                    except TypeError:  # an unhashable key: the constructor says so below
+                        continue
+                    if duplicate:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return Strict
+
+
+_LOADER = _strict(getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml's safe loader when built in: plans are large
+_PURE_LOADER = _strict(yaml.SafeLoader)
+
+
+def _unique_pairs(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
 
 
 _KINDS = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO",
@@ -150,10 +186,11 @@ def _first_line(e: Exception) -> str:
 def read_yaml(path: str | Path, *, field: str, error: type[MoeplanError]) -> object:
     """The YAML document in ``path``, read with a safe loader (nothing in it is executed). Raises ``error`` with one
     line, ``{field}='{path}': ...``, when the file cannot be read, is not UTF-8 text or is not YAML (a value its
-    tag cannot hold, such as the date 2024-13-45, included), or nests deeper than :data:`MAX_NESTING`."""
+    tag cannot hold, such as the date 2024-13-45, and a mapping stating one key twice, included), or nests deeper
+    than :data:`MAX_NESTING`."""
     text = read_text(path, field=field, error=error)
     try:
-        doc = yaml.load(text, Loader=_LOADER if _depth_bound(text) <= MAX_DEPTH else yaml.SafeLoader)
+        doc = yaml.load(text, Loader=_LOADER if _depth_bound(text) <= MAX_DEPTH else _PURE_LOADER)
     except (yaml.YAMLError, ValueError) as e:  # ValueError: a scalar its tag cannot hold (int(), date() raise it)
         raise error(f"{field}={str(path)!r}: malformed YAML ({_first_line(e)})") from None
     except RecursionError:
@@ -163,11 +200,12 @@ def read_yaml(path: str | Path, *, field: str, error: type[MoeplanError]) -> obj
 
 def read_json(path: str | Path, *, field: str, error: type[MoeplanError]) -> object:
     """The JSON document in ``path`` (RFC 8259; Python's ``NaN``/``Infinity`` extensions are read as floats, which
-    validation then refuses). Raises ``error`` with one line as :func:`read_yaml`."""
+    validation then refuses). Raises ``error`` with one line as :func:`read_yaml`, an object stating one key twice
+    included."""
     text = read_text(path, field=field, error=error)
     try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
+        doc = json.loads(text, object_pairs_hook=_unique_pairs)
+    except ValueError as e:  # JSONDecodeError is one; _unique_pairs raises it for a key stated twice
         raise error(f"{field}={str(path)!r}: malformed JSON ({_first_line(e)})") from None
     except RecursionError:
         raise error(f"{field}={str(path)!r}: malformed JSON (nested too deeply)") from None

@@ -3,6 +3,7 @@ line and exit 2. (Checkpoints as data: tests/runtime/test_checkpoint_faults.py; 
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -109,3 +110,30 @@ def test_two_runs_cannot_share_a_checkpoint_dir(plan, tmp_path):
     with checkpoint_lock(ck):
         pass
     assert not any(p.name.startswith("step-") for p in ck.iterdir())
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("model.yaml", "name: m\nhidden_size: 64\nhidden_size: 128\n", "duplicate key 'hidden_size' (line 3)"),
+    ("config.json", '{"hidden_size": 64, "hidden_size": 128}', "duplicate key 'hidden_size'"),
+])
+def test_a_key_stated_twice_is_refused(tmp_path, name, text, says):
+    """The last value used to win without a word."""
+    from moeplan.errors import SpecError
+    from moeplan.files import read_json, read_yaml
+
+    path = tmp_path / name
+    path.write_text(text)
+    read = read_json if name.endswith(".json") else read_yaml
+    with pytest.raises(SpecError, match=re.escape(says)):
+        read(path, field="model", error=SpecError)
+    proc = run_moeplan("describe", path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+
+
+def test_a_yaml_merge_may_still_be_overridden(tmp_path):
+    from moeplan.errors import SpecError
+    from moeplan.files import read_yaml
+
+    path = tmp_path / "m.yaml"
+    path.write_text("base: &b {tp: 1, pp: 2}\nrun:\n  <<: *b\n  tp: 4\n")
+    assert read_yaml(path, field="model", error=SpecError)["run"] == {"tp": 4, "pp": 2}
