@@ -109,24 +109,15 @@ def train_plans(paths: list[str], steps: int, data: str) -> list[list[float]]:
 
 
 def launch_function(fn, nprocs: int, *args) -> dict[int, object]:
-    """Run ``fn(*args)`` on ``nprocs`` local ranks with torch's elastic launcher; rank -> return value.
-
-    The ranks are forked from the test process, so they start with torch and moeplan already imported: a launch
-    takes about 0.3 s instead of 3–7 s spawned (measured on the 2-core CI machine with a barrier-only ``fn``). Each
-    rank runs one intra-op thread, set before ``fn``'s first op, which keeps the forked OpenMP runtime safe."""
+    """Run ``fn(*args)`` on ``nprocs`` local ranks with torch's elastic launcher; rank -> return value."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     with tempfile.TemporaryDirectory() as logs:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=str(uuid.uuid4()),
                               rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                              monitor_interval=0.1, start_method="fork", logs_specs=DefaultLogsSpecs(log_dir=logs))
-        return elastic_launch(config, entrypoint=_one_thread)(fn, *args)
-
-
-def _one_thread(fn, *args):
-    torch.set_num_threads(1)
-    return fn(*args)
+                              monitor_interval=0.1, logs_specs=DefaultLogsSpecs(log_dir=logs))
+        return elastic_launch(config, entrypoint=fn)(*args)
 
 
 def _run(layouts: dict, devices: int, tmp_path_factory, data_file: str) -> dict[str, list[float]]:
