@@ -6,6 +6,7 @@ Errors in user input exit 2 and a plan that cannot fit exits 3, each with one li
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import json
 import os
@@ -286,6 +287,7 @@ def run_cmd(
     from moeplan.errors import PlanError
     from moeplan.plan import load_plan
     from moeplan.runtime.data import BYTE_VOCAB, check_tokens, file_tokens
+    from moeplan.runtime.checkpoint import checkpoint_lock
     from moeplan.runtime.launch import (RunFailed, RunInterrupted, check_runnable, launch_local, torchrun_command,
                                         under_torchrun)
 
@@ -323,12 +325,8 @@ def run_cmd(
     if data is not None:
         check_tokens(file_tokens(data), vocab_size=plan.model.spec.vocab_size, seq_len=plan.layout.seq_len)
     try:
-        if request.checkpoint_dir:  # held by this launcher for the whole run (under torchrun: not checked)
-            from moeplan.runtime.checkpoint import checkpoint_lock
-
-            with checkpoint_lock(request.checkpoint_dir):
-                launch_local(plan, request)
-        else:
+        # the checkpoint folder is held by this launcher for the whole run (under torchrun: not checked)
+        with checkpoint_lock(request.checkpoint_dir) if request.checkpoint_dir else contextlib.nullcontext():
             launch_local(plan, request)
     except RunInterrupted as e:
         err.print(f"moeplan run: {e}", markup=False)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
@@ -487,15 +487,13 @@ def load_plan(path: str | Path) -> Plan:
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
         raise PlanError(f"schema_version={version!r}: this moeplan reads schema version {SCHEMA_VERSION}")
-    bad = _non_finite(data)
-    if bad is not None:
-        field = bad[0] if bad[0].isprintable() else repr(bad[0])
-        raise PlanError(f"{field}={bad[1]!r}: must be a finite number (plan {path})")
-    text = _multi_line(data)
-    if text is not None:
-        field = text[0] if text[0].isprintable() else repr(text[0])
-        raise PlanError(f"{field}={text[1]!r}: a plan's text is one line of printable characters (no line breaks or "
-                        f"control characters; plan {path})")
+    for bad, rule in ((_non_finite, "must be a finite number"),
+                      (_multi_line, "a plan's text is one line of printable characters (no line breaks or control "
+                                    "characters)")):
+        found = _first_leaf(data, bad)
+        if found is not None:
+            field = found[0] if found[0].isprintable() else repr(found[0])
+            raise PlanError(f"{field}={found[1]!r}: {rule} (plan {path})")
     try:
         plan = Plan.model_validate(data)
     except ValidationError as e:
@@ -504,28 +502,24 @@ def load_plan(path: str | Path) -> Plan:
     return plan
 
 
-def _multi_line(data: object, path: str = "") -> tuple[str, str] | None:
-    """The dotted path and value of the first string in a loaded document that holds a line break or another
-    control character, or None. Exporters write plan text into scripts and comments (moeplan/export), where a line
-    break would end a comment and start a command."""
-    if isinstance(data, str):
-        return None if data.isprintable() else (path or "plan", data)
-    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
-    for k, v in items:
-        found = _multi_line(v, f"{path}.{k}" if path else str(k))
-        if found is not None:
-            return found
-    return None
+def _non_finite(value: object) -> bool:
+    """A NaN or infinity: a compiled plan holds only finite numbers (an unbounded solver gap is stored as -1)."""
+    return isinstance(value, float) and not math.isfinite(value)
 
 
-def _non_finite(data: object, path: str = "") -> tuple[str, float] | None:
-    """The dotted path and value of the first NaN or infinity in a loaded document, or None: a compiled plan holds
-    only finite numbers (an unbounded solver gap is stored as -1)."""
-    if isinstance(data, float) and not math.isfinite(data):
+def _multi_line(value: object) -> bool:
+    """Text holding a line break or another control character. Exporters write plan text into scripts and comments
+    (moeplan/export), where a line break would end a comment and start a command."""
+    return isinstance(value, str) and not value.isprintable()
+
+
+def _first_leaf(data: object, bad: Callable[[object], bool], path: str = "") -> tuple[str, object] | None:
+    """The dotted path and value of the first leaf of a loaded document for which ``bad`` holds, or None."""
+    if bad(data):
         return path or "plan", data
     items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
     for k, v in items:
-        found = _non_finite(v, f"{path}.{k}" if path else str(k))
+        found = _first_leaf(v, bad, f"{path}.{k}" if path else str(k))
         if found is not None:
             return found
     return None
