@@ -10,7 +10,6 @@ tier (moeplan.runtime.parallel.CommLog, written to the metrics JSONL) with ``pla
 from __future__ import annotations
 
 import json
-import os
 from datetime import timedelta
 
 import pytest
@@ -66,7 +65,6 @@ def runs(tmp_path_factory, data_file) -> dict[str, tuple[object, list[StepRecord
     for name, plan in plans.items():
         paths.append(str(folder / f"{name}.yaml"))
         save_plan(plan, paths[-1])
-    os.environ["OMP_NUM_THREADS"] = "1"
     launch_function(train_balanced, 4, paths, STEPS, data_file)
     return {name: (plans[name], read_records(path + ".jsonl")) for name, path in zip(DISPATCHERS, paths)}
 

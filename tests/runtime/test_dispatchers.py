@@ -4,7 +4,6 @@ reproduces the single-process MoEModel run to 1e-4 relative in the per-step loss
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -44,7 +43,6 @@ def runs(tmp_path_factory, data_file) -> dict[str, list[float]]:
         path = folder / f"plan{i}.yaml"
         save_plan(make_plan(**options), path)
         paths.append(str(path))
-    os.environ["OMP_NUM_THREADS"] = "1"
     return dict(zip(RUNS, launch_function(train_plans, 4, paths, STEPS, data_file)[0]))
 
 
@@ -147,7 +145,6 @@ def wire(tmp_path_factory) -> dict[str, tuple[list[dict[str, int]], object]]:
     plans = {name: make_plan(name) for name in DISPATCHERS}
     for name, plan in plans.items():
         save_plan(plan, folder / f"{name}.yaml")
-    os.environ["OMP_NUM_THREADS"] = "1"
     ranks = launch_function(moe_layer_wire_bytes, 4, [str(folder / f"{n}.yaml") for n in DISPATCHERS], 2)
     return {name: ([ranks[r][i] for r in range(4)], plans[name]) for i, name in enumerate(DISPATCHERS)}
 

@@ -10,7 +10,6 @@ decides is checked: which buckets are posted asynchronously, when, and the bytes
 """
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import pytest
@@ -102,7 +101,6 @@ def runs(plans, tmp_path_factory, data_file) -> dict:
     paths = [folder / f"{name}.yaml" for name in ("on", "off", "tp2")]
     for plan, path in zip(plans, paths):
         save_plan(plan, path)
-    os.environ["OMP_NUM_THREADS"] = "1"
     return launch_function(train_and_log, 4, *map(str, paths), data_file, str(folder / "ckpt"))
 
 

@@ -6,7 +6,6 @@ tests/runtime/test_dispatchers.py's job).
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -44,7 +43,6 @@ def test_fb_overlap_matches_single_process(tmp_path, data_file, reference):
     """2 ranks, EP 2; the 4-rank hierarchical case runs with the dispatchers (tests/runtime/test_dispatchers.py)."""
     path = tmp_path / "fb.yaml"
     save_plan(make_plan(2, fb=True), path)
-    os.environ["OMP_NUM_THREADS"] = "1"
     _assert_close(launch_function(train_plans, 2, [str(path)], STEPS, data_file)[0][0], reference)
 
 

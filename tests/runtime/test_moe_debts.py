@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import numpy as np
@@ -169,7 +168,6 @@ def _run(layouts: dict, devices: int, folder, data: str, order: tuple[str, ...] 
         path = folder / f"{name}.yaml"
         save_plan(make_plan(devices, degrees, overlap), path)
         jobs.append((str(path), legacy))
-    os.environ["OMP_NUM_THREADS"] = "1"
     ranks = launch_function(rank_main, devices, jobs, STEPS, data, [str(folder / f"{n}.yaml") for n in order])
     return ({name: [ranks[r][0][i] for r in range(devices)] for i, name in enumerate(layouts)},
             dict(zip(order, ranks[0][1])))

@@ -1,8 +1,8 @@
 """Numerics of the parallel layers: one forward/backward of a whole stage stack (pp = 1) on gloo against the
 single-process MoEModel, float64, same seed and data.
 
-Two process worlds are started once per module (2 and 4 ranks, torch.multiprocessing.spawn); each runs several
-layouts in turn, rebuilding groups and modules per layout. Every rank compares its loss with the reference loss of
+Two process worlds are started once per module (2 and 4 ranks, torch.multiprocessing, forked from test_executor's
+fork server); each runs several layouts in turn, rebuilding groups and modules per layout. Every rank compares its loss with the reference loss of
 its micro-batch and every gradient it holds — the TP-replicated gradients first summed over TP (the step's flat
 all-reduce, moeplan.runtime.parallel.all_reduce_grads), then dense gradients summed over dp_cp, expert gradients over expert_dp,
 both divided by dp (the contract of moeplan.runtime.tensor_parallel.ParallelHead) — with the matching shard of the
@@ -11,7 +11,6 @@ reference gradient (mean loss over the DP micro-batches).
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +35,8 @@ from moeplan.runtime.groups import check_layout_for_runtime, group_ranks, make_g
 from moeplan.search import Fixed
 from moeplan.spec import ModelSpec, load_spec
 from moeplan.targets import load_target
+
+from test_executor import forkserver  # noqa: E402
 
 SEED = 3
 TOL = 1e-5
@@ -174,7 +175,6 @@ def _check(case: Case, rank: int) -> dict:
 
 
 def _worker(rank: int, world: int, init_file: str, cases: list[Case], out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
@@ -187,7 +187,8 @@ def _worker(rank: int, world: int, init_file: str, cases: list[Case], out_dir: s
 
 def _run_world(world: int, cases: list[Case], tmp: Path) -> dict[str, list[dict]]:
     t0 = time.perf_counter()
-    mp.spawn(_worker, args=(world, str(tmp / "init"), cases, str(tmp)), nprocs=world, join=True)
+    mp.start_processes(_worker, args=(world, str(tmp / "init"), cases, str(tmp)), nprocs=world, join=True,
+                       start_method=forkserver())
     per_rank = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
     out = {c.name: [per_rank[r][c.name] for r in range(world)] for c in cases}
     print(f"\n{world}-rank world: {time.perf_counter() - t0:.1f} s wall (spawn + {len(cases)} layouts)")

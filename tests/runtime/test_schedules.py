@@ -8,7 +8,6 @@ its executor dispatches, which must be its plan's action list with each ``OVERLA
 """
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import pytest
@@ -103,7 +102,6 @@ def runs(plans, tmp_path_factory, data_file) -> dict[str, dict[int, tuple]]:
     for name, plan in plans.items():
         save_plan(plan, folder / f"{name}.yaml")
         paths.append(str(folder / f"{name}.yaml"))
-    os.environ["OMP_NUM_THREADS"] = "1"
     results = launch_function(train_and_record, 2, paths, STEPS, data_file)
     return {name: {rank: results[rank][i] for rank in results} for i, name in enumerate(plans)}
 
