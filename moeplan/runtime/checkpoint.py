@@ -32,8 +32,6 @@ from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import StorageMeta
 from torch import nn
 
 from moeplan.errors import PlanError
@@ -112,6 +110,8 @@ def save_checkpoint(state: dict[str, torch.Tensor], *, root: str | Path, step: i
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a killed run
     dist.barrier()
+    import torch.distributed.checkpoint as dcp  # here, not at the top: 1 s of every rank's start-up (DTensor, sympy)
+
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -199,16 +199,21 @@ def read_metadata(path: Path, *, where: str) -> object:
         raise PlanError(f"{where}: {path.name} is not DCP metadata ({type(e).__name__}: {e}); not loaded") from None
 
 
-class _VerifiedReader(dcp.FileSystemReader):
-    """DCP's file reader with ``.metadata`` read by :func:`read_metadata` (the tensors DCP already reads with
-    ``torch.load(weights_only=True)``)."""
+def _verified_reader(path: Path):
+    """DCP's file reader for the checkpoint at ``path``, with ``.metadata`` read by :func:`read_metadata` (the tensors
+    DCP already reads with ``torch.load(weights_only=True)``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
-    def read_metadata(self, *args, **kwargs):
-        metadata = read_metadata(Path(self.path) / _METADATA, where=f"checkpoint={str(self.path)!r}")
-        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    class VerifiedReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = read_metadata(Path(self.path) / _METADATA, where=f"checkpoint={str(self.path)!r}")
+            if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return VerifiedReader(str(path))
 
 
 def load_checkpoint(state: dict[str, torch.Tensor], ref: CheckpointRef, *, layout: PlanLayout, model: str) -> None:
@@ -223,4 +228,6 @@ def load_checkpoint(state: dict[str, torch.Tensor], ref: CheckpointRef, *, layou
     dist.broadcast_object_list(error, src=0)
     if error[0] is not None:
         raise PlanError(error[0])
-    dcp.load(state, storage_reader=_VerifiedReader(str(ref.path)))
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, storage_reader=_verified_reader(ref.path))
