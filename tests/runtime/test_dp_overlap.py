@@ -1,6 +1,6 @@
 """DP overlap in the runtime (plan mechanism ``dp``, Megatron-LM ``--overlap-grad-reduce``): with DP 2 × PP 2 × VPP 2
 on 4 gloo ranks, the per-stage gradient buckets are reduce-scattered asynchronously as soon as their stage's last
-backward has run, and the per-step loss over 20 steps is that of the same plan without the mechanism and of the
+backward has run, and the per-step loss over 8 steps is that of the same plan without the mechanism and of the
 single-process run (1e-4 relative). A checkpoint written with the mechanism on resumes with it off (same buckets,
 same optimizer state) and continues with the same losses. With DP 2 × TP 2 the TP-replicated parameters, whose
 gradients are summed over TP after the backward, are reduced at the step instead, and the loss is still exact.
@@ -20,12 +20,13 @@ from moeplan.plan import Plan, save_plan
 from moeplan.runtime.metrics import CommTotals
 from moeplan.runtime.optimizer import DistributedAdamW, OptimConfig, ParamEntry
 
-from test_executor import LR, STEPS, _assert_close, launch_function, make_plan
+from test_executor import LR, _assert_close, launch_function, make_plan
 
 FIXED = dict(pp=2, vpp=2, tp=1, cp=1, ep=1, micro_batch=2, schedule="interleaved", overlap=frozenset())
 #: DP 2 × TP 2: the TP-replicated parameters (norms, router, MLA down projections) go to the ``end`` buckets
 FIXED_TP2 = dict(pp=1, tp=2, cp=1, ep=1, etp=1, micro_batch=2, overlap=frozenset())
-RESUME_AT = 15  # the only checkpoint of the 20 steps (every 15)
+STEPS = 8  # issue 12 asks for the same loss with and without dp, not a step count (20 steps: 43 s)
+RESUME_AT = 5  # the only checkpoint of the 8 steps (every 5)
 
 
 def with_dp_overlap(plan: Plan) -> Plan:
@@ -35,11 +36,11 @@ def with_dp_overlap(plan: Plan) -> Plan:
 
 
 def train_and_log(on: str, off: str, tp2: str, data: str, ckpt: str) -> dict:
-    """Entry point of one rank: the dp-overlap plan ``on`` for 20 steps (checkpoint after step RESUME_AT), the plan
-    ``off`` for 20 steps, then ``off`` resumed from ``on``'s checkpoint, then the dp-overlap plan ``tp2``. Returns
-    the losses of each run, this rank's PP rank in ``on``, and for ``on``, ``off`` and ``tp2`` the reduce-scatter
-    posts of the first step, as (bucket stages, async, stages whose backward had finished, in order), and the dp
-    bytes of the first step per rank."""
+    """Entry point of one rank: the dp-overlap plan ``on`` for STEPS steps (checkpoint after step RESUME_AT), the
+    plan ``off`` for STEPS steps, then ``off`` resumed from ``on``'s checkpoint, then the dp-overlap plan ``tp2``.
+    Returns the losses of each run, this rank's PP rank in ``on``, and for ``on``, ``off`` and ``tp2`` the
+    reduce-scatter posts of the first step, as (bucket stages, async, stages whose backward had finished, in
+    order), and the dp bytes of the first step per rank."""
     import torch.distributed as dist
 
     from moeplan.plan import load_plan
@@ -106,15 +107,15 @@ def runs(plans, tmp_path_factory, data_file) -> dict:
 
 def test_dp_overlap_keeps_the_loss(runs, reference):
     for rank_out in runs.values():
-        _assert_close(rank_out["on"], reference)
-        _assert_close(rank_out["off"], reference)
+        _assert_close(rank_out["on"], reference, STEPS)
+        _assert_close(rank_out["off"], reference, STEPS)
         assert rank_out["on"] == rank_out["off"]  # same buckets, same reduction: the same bits
 
 
 def test_tp_replicated_gradients_are_reduced_at_the_step_after_their_tp_sum(runs, plans, reference):
     assert plans[2].layout.dp == 2 and plans[2].layout.tp == 2
     for rank_out in runs.values():
-        _assert_close(rank_out["tp2"], reference)
+        _assert_close(rank_out["tp2"], reference, STEPS)
         stage_posts = [is_async for bucket, is_async, _ in rank_out["tp2_posts"] if bucket]
         end_posts = [is_async for bucket, is_async, _ in rank_out["tp2_posts"] if not bucket]
         assert stage_posts and all(stage_posts)

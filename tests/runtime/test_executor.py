@@ -163,8 +163,10 @@ def runs_4(tmp_path_factory, data_file):
     return _run(LAYOUTS_4, 4, tmp_path_factory, data_file)
 
 
-def _assert_close(got: list[float], want: list[float]) -> None:
-    assert len(got) == len(want) == STEPS
+def _assert_close(got: list[float], want: list[float], steps: int = STEPS) -> None:
+    """``got`` has ``steps`` losses, each within 1e-4 relative of the first ``steps`` of ``want`` (the 20-step
+    reference)."""
+    assert len(got) == steps <= len(want)
     rel = [abs(g - w) / abs(w) for g, w in zip(got, want)]
     assert max(rel) < 1e-4, f"max relative loss error {max(rel):.2e} at step {rel.index(max(rel)) + 1}"
 

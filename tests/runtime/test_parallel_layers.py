@@ -1,12 +1,12 @@
 """Numerics of the parallel layers: one forward/backward of a whole stage stack (pp = 1) on gloo against the
 single-process MoEModel, float64, same seed and data.
 
-Two process worlds are started once per module (2 and 4 ranks, torch.multiprocessing, forked from test_executor's
-fork server); each runs several layouts in turn, rebuilding groups and modules per layout. Every rank compares its loss with the reference loss of
-its micro-batch and every gradient it holds — the TP-replicated gradients first summed over TP (the step's flat
-all-reduce, moeplan.runtime.parallel.all_reduce_grads), then dense gradients summed over dp_cp, expert gradients over expert_dp,
-both divided by dp (the contract of moeplan.runtime.tensor_parallel.ParallelHead) — with the matching shard of the
-reference gradient (mean loss over the DP micro-batches).
+Two process worlds are started once per module (2 and 4 ranks, torch.multiprocessing, forked from test_executor's fork
+server); each runs several layouts in turn, rebuilding groups and modules per layout. Every rank compares its loss
+with the reference loss of its micro-batch and every gradient it holds — the TP-replicated gradients first summed over
+TP (the step's flat all-reduce, moeplan.runtime.parallel.all_reduce_grads), then dense gradients summed over dp_cp,
+expert gradients over expert_dp, both divided by dp (the contract of moeplan.runtime.tensor_parallel.ParallelHead) —
+with the matching shard of the reference gradient (mean loss over the DP micro-batches).
 """
 from __future__ import annotations
 

@@ -4,8 +4,10 @@ tiny-pangu on one cpu device under tight budgets, three decision mixes: swap-hea
 every storage swapped), mixed (``ilp`` at 11.52 MiB: swaps plus a few re-run ops) and recompute-heavy
 (``ilp-no-swap`` at 11.52 MiB). The budgets leave the activations the room they had at 9.0 and 8.5 MiB before the
 plan counted the model states the runtime really holds (4-byte weights, its fp32 gradient and norm-weight shards,
-the MTP's tied weights once: 2.8 MiB more; docs/memory.md §8). Each trains 20 steps in one process; the losses must match the single-process model
-and the measured peak of device-side saved activations must stay under what the budget leaves for activations.
+the MTP's tied weights once: 2.8 MiB more; docs/memory.md §8). Each trains 6 steps in one process (issue 9 asks
+for no step count; 20 steps cost 48 s of the suite and every step after the first already depends on the
+gradients the decisions produced); the losses must match the single-process model and the measured peak of
+device-side saved activations must stay under what the budget leaves for activations.
 """
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ from moeplan.search import Fixed
 from moeplan.spec import load_spec
 from moeplan.targets import load_target
 
-from test_executor import LR, STEPS, _assert_close, launch_function  # noqa: E402
+from test_executor import LR, _assert_close, launch_function  # noqa: E402
 
 PIPELINE = "shard,partition-stages,place-experts,schedule,plan-memory,simulate"
 #: name -> (recompute mode, budget GiB)
+STEPS = 6
 MIXES = {"swap_heavy": ("ilp", 0.0117526), "mixed": ("ilp", 0.0112526), "recompute_heavy": ("ilp-no-swap", 0.0112526)}
 
 
@@ -80,7 +83,7 @@ def test_the_mixes_are_what_they_say(plans):
 
 @pytest.mark.parametrize("name", list(MIXES))
 def test_losses_match_single_process(runs, reference, name):
-    _assert_close([loss for loss, _, _ in runs[name]], reference)
+    _assert_close([loss for loss, _, _ in runs[name]], reference, STEPS)
 
 
 @pytest.mark.parametrize("name", list(MIXES))
