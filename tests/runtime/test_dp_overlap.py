@@ -20,7 +20,7 @@ from moeplan.plan import Plan, save_plan
 from moeplan.runtime.metrics import CommTotals
 from moeplan.runtime.optimizer import DistributedAdamW, OptimConfig, ParamEntry
 
-from test_executor import LR, _assert_close, launch_function, make_plan
+from test_executor import LR, METER_EVERY, _assert_close, launch_function, make_plan
 
 FIXED = dict(pp=2, vpp=2, tp=1, cp=1, ep=1, micro_batch=2, schedule="interleaved", overlap=frozenset())
 #: DP 2 × TP 2: the TP-replicated parameters (norms, router, MLA down projections) go to the ``end`` buckets
@@ -77,7 +77,8 @@ def train_and_log(on: str, off: str, tp2: str, data: str, ckpt: str) -> dict:
                                   ("off", off, {}), ("resumed", off, dict(checkpoint_dir=ckpt, resume=True)),
                                   ("tp2", tp2, {})):
             posts.clear()
-            records = train(load_plan(path), RunRequest(plan=path, steps=STEPS, data=data, lr=LR, **extra),
+            records = train(load_plan(path), RunRequest(plan=path, steps=STEPS, data=data, lr=LR,
+                                                        meter_every=METER_EVERY, **extra),
                             device=torch.device("cpu"))
             out[name] = [r.loss for r in records]
             if name != "resumed":

@@ -23,7 +23,7 @@ from moeplan.search import Fixed
 from moeplan.spec import load_spec
 from moeplan.targets import load_target
 
-from test_executor import LR, STEPS, _assert_close, launch_function
+from test_executor import LR, METER_EVERY, STEPS, _assert_close, launch_function
 
 #: name -> schedule compiled; ``dualpipev_pairs`` is DualPipeV with fb overlap (its OVERLAP_F_B pairs kept),
 #: ``zbv_recompute`` ZB-V with full recompute on PP rank 0 (I and W split) and selective on rank 1 (one-pass I)
@@ -79,7 +79,8 @@ def train_and_record(paths: list[str], steps: int, data: str) -> list[tuple[list
         for path in paths:
             plan = load_plan(path)
             dispatched.clear()
-            records = train(plan, RunRequest(plan=path, steps=steps, data=data, lr=LR), device=torch.device("cpu"))
+            records = train(plan, RunRequest(plan=path, steps=steps, data=data, lr=LR, meter_every=METER_EVERY),
+                            device=torch.device("cpu"))
             per_step = len(dispatched) // steps
             out.append(([r.loss for r in records], dispatched[:per_step]))
         return out
