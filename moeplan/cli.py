@@ -340,25 +340,28 @@ def run_cmd(
 def compare_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="the plan that was run"),
                 metrics_path: str = typer.Argument(..., metavar="METRICS",
                                                    help="the JSONL file of `moeplan run --metrics`"),
-                first_step: int = typer.Option(5, "--first-step", help="median over steps from this one on"),
+                first_step: Optional[int] = typer.Option(None, "--first-step",
+                                                         help="median over steps from this one on (default 5, or "
+                                                              "every step after the first in a shorter run)"),
                 as_json: bool = typer.Option(False, "--json", help="print the rows as JSON")) -> None:
     """Predicted (PLAN) vs measured (METRICS from `moeplan run`): step time, actions, comm, activations, then per
     comm class the bytes per link tier, exposed seconds and overlap rate; a warning on stderr when the machine was
     busy with other work during the measured steps."""
     from moeplan.plan import load_plan
-    from moeplan.runtime.compare import (busy_warning, comm_class_rows, compare, read_records, render_comm_classes,
-                                         render_rows, rows_json)
+    from moeplan.runtime.compare import (busy_warning, comm_class_rows, compare, measured_window, read_records,
+                                         render_comm_classes, render_rows, rows_json)
 
     positive("first_step", first_step)
     plan = load_plan(plan_path)
     records = read_records(metrics_path)
+    window = measured_window(records, first_step)
     rows = compare(plan, records, first_step=first_step)
     comm = comm_class_rows(plan, records, first_step=first_step)
     if as_json:
         out.print_json(json.dumps(rows_json(rows + comm)))
     else:
         render_rows(out, rows, title=f"{plan.model.name} · {plan.target.name} · predicted vs measured "
-                                     f"(median of steps >= {first_step})")
+                                     f"(median of steps {window[0].step}..{window[-1].step})")
         render_comm_classes(out, comm, title="per comm class, per device and step")
     warning = busy_warning(records, first_step=first_step)
     if warning:  # after the table, where it is read

@@ -35,8 +35,8 @@ target, bf16 for accelerators and plans written before the field existed); the r
 activation and communication bytes are scaled by ``RUNTIME_BYTES / plan.target.dtype_bytes`` (1 for an fp32 plan).
 
 Measured figures: the median over steps ``first_step..N`` (default 5, or every step after the first when the run is
-shorter) of each step's value; per-PP-rank figures average the ranks of that PP rank (they are replicas). A run with
-``--meter-every K > 1`` has unmetered steps: times (step, actions, p2p, optimizer) come from those, which the
+shorter; a given ``first_step`` past the last step is refused) of each step's value; per-PP-rank figures average the
+ranks of that PP rank (they are replicas). A run with ``--meter-every K > 1`` has unmetered steps: times (step, actions, p2p, optimizer) come from those, which the
 saved-tensor hooks and the collective meter did not slow down, and the saved-activation peaks and in-layer
 collectives from the metered ones.
 
@@ -110,9 +110,21 @@ def read_records(path: str | Path) -> list[StepRecord]:
     return records
 
 
-def _window(records: list[StepRecord], first_step: int) -> list[StepRecord]:
+#: the first compared step when none is given (the steps before it warm up: allocator, gloo connections)
+DEFAULT_FIRST_STEP = 5
+
+
+def measured_window(records: list[StepRecord], first_step: int | None = None) -> list[StepRecord]:
+    """The records compared: the steps from ``first_step`` on. ``None``: from :data:`DEFAULT_FIRST_STEP` on, or
+    every step after the first in a shorter run (the one step of a 1-step run). Raises PlanError when a given
+    ``first_step`` is past the run's last step (its median would be of other steps)."""
+    if first_step is None:
+        return [r for r in records if r.step >= DEFAULT_FIRST_STEP] or records[1:] or records
     chosen = [r for r in records if r.step >= first_step]
-    return chosen or records[1:] or records
+    if not chosen:
+        last = max((r.step for r in records), default=0)
+        raise PlanError(f"first_step={first_step}: the metrics end at step {last}; give a step from 1 to {last}")
+    return chosen
 
 
 def _byte_scale(plan: Plan) -> float:
@@ -232,12 +244,13 @@ def _value(rank, key: str) -> float:
     return rank.action_s.get(key, 0.0)
 
 
-def compare(plan: Plan, records: list[StepRecord], *, first_step: int = 5) -> list[Row]:
+def compare(plan: Plan, records: list[StepRecord], *, first_step: int | None = None) -> list[Row]:
     """All compared rows: step time and tokens/s, then per PP rank actions, comm seconds and bytes, peak saved
-    activation bytes. Raises PlanError when the records come from another layout (rank count differs)."""
+    activation bytes, over :func:`measured_window`. Raises PlanError when the records come from another layout (rank
+    count differs) or ``first_step`` is past the run."""
     if any(len(r.ranks) != plan.layout.num_devices for r in records):
         raise PlanError(f"metrics: the run has {len(records[0].ranks)} ranks, the plan {plan.layout.num_devices}")
-    window = _window(records, first_step)
+    window = measured_window(records, first_step)
     timed = [r for r in window if not r.metered] or window
     metered = [r for r in window if r.metered] or [r for r in records if r.metered] or window
     rows = [Row("step time", "s", plan.prediction.step_time_s, statistics.median(r.step_time_s for r in timed)),
@@ -275,12 +288,12 @@ COMM_FIGURES = (("intra-node bytes", "bytes"), ("inter-node bytes", "bytes"), ("
 """The figures of :func:`comm_class_rows` per comm class, with their units."""
 
 
-def comm_class_rows(plan: Plan, records: list[StepRecord], *, first_step: int = 5) -> list[Row]:
+def comm_class_rows(plan: Plan, records: list[StepRecord], *, first_step: int | None = None) -> list[Row]:
     """Per comm class (metrics.COMM_CLASSES order; a class the plan names or the run measured), the rows
     ``comm <class> <figure>`` of :data:`COMM_FIGURES`, predicted vs measured (module docstring). Bytes are per
     device and step, the plan's scaled to the fp32 runtime; a tier's measured bytes are None for a class whose
     tiers the runtime does not tally (pp, dp), an overlap rate None for a class that moved nothing."""
-    window = _window(records, first_step)
+    window = measured_window(records, first_step)
     timed = [r for r in window if not r.metered] or window
     metered = [r for r in window if r.metered] or [r for r in records if r.metered] or window
     scale = _byte_scale(plan)
@@ -307,11 +320,11 @@ def comm_class_rows(plan: Plan, records: list[StepRecord], *, first_step: int = 
     return rows
 
 
-def busy_warning(records: list[StepRecord], *, first_step: int = 5) -> str | None:
+def busy_warning(records: list[StepRecord], *, first_step: int | None = None) -> str | None:
     """One line when rank 0's machine was busy with other work during the compared steps (see the module docstring
     for the measure and ``BUSY_SHARE`` for the threshold), or when the run had more ranks than CPUs there; None when
     neither, or when the metrics do not say (files written before the host figures, or not on Linux)."""
-    window = [r for r in _window(records, first_step) if r.host is not None]
+    window = [r for r in measured_window(records, first_step) if r.host is not None]
     if not window or any(rank.cpu_s < 0 for r in window for rank in r.ranks):
         return None
     cpus = max(r.host.cpus for r in window)

@@ -14,7 +14,8 @@ from rich.console import Console
 
 from moeplan.compile import compile_model
 from moeplan.plan import save_plan
-from moeplan.runtime.compare import comm_class_rows, render_comm_classes, rows_json
+from moeplan.errors import PlanError
+from moeplan.runtime.compare import comm_class_rows, measured_window, render_comm_classes, rows_json
 from moeplan.runtime.data import stdlib_tokens
 from moeplan.runtime.metrics import RankStep, StepRecord
 from moeplan.search import Fixed
@@ -43,6 +44,15 @@ def _record(step: int, ranks: list[dict]) -> StepRecord:
     return StepRecord(step=step, loss=1.0, step_time_s=1.0, tokens_per_s=1.0, grad_norm=1.0, host=None,
                       ranks=tuple(RankStep(rank=i, pp_rank=0, action_s={"F": 0.1}, comm_bytes={}, cpu_s=0.1,
                                            peak_saved_bytes=0, **r) for i, r in enumerate(ranks)))
+
+
+def test_measured_window_names_its_steps_or_refuses_one_past_the_run():
+    records = [_record(step, [{"comm_s": {}}]) for step in (1, 2, 3)]
+    assert [r.step for r in measured_window(records)] == [2, 3]  # shorter than 5 steps: every step after the first
+    assert [r.step for r in measured_window(records, 1)] == [1, 2, 3]
+    assert [r.step for r in measured_window([_record(s, [{"comm_s": {}}]) for s in range(1, 9)])] == [5, 6, 7, 8]
+    with pytest.raises(PlanError, match=r"first_step=1000: the metrics end at step 3; give a step from 1 to 3"):
+        measured_window(records, 1000)
 
 
 def _rows(plan, records) -> dict[str, object]:

@@ -290,6 +290,15 @@ def test_compare_json(pp2, run_metrics):
         plan.target.dtype_bytes)
 
 
+def test_compare_names_the_steps_it_compares_and_refuses_a_first_step_past_the_run(pp2, run_metrics):
+    shown = moeplan("compare", str(pp2 / "plan.yaml"), str(run_metrics))  # 3 steps: every step after the first
+    assert shown.returncode == 0 and "(median of steps 2..3)" in shown.stdout, shown.stderr
+    past = moeplan("compare", str(pp2 / "plan.yaml"), str(run_metrics), "--first-step", "1000")
+    assert past.returncode == 2 and past.stdout == ""
+    assert past.stderr.strip().splitlines() == [
+        "error: first_step=1000: the metrics end at step 3; give a step from 1 to 3"], past.stderr
+
+
 def test_compare_rejects_another_layouts_metrics(pp2, run_metrics, tmp_path):
     other = tmp_path / "one.yaml"
     save_plan(make_plan(1, dict(pp=1, tp=1, cp=1, micro_batch=2)), other)
