@@ -13,6 +13,7 @@ import yaml
 
 from moeplan.errors import MoeplanError, OutputError
 
+
 def _strict(loader: type) -> type:
     """``loader`` refusing a mapping that states one key twice (YAML 1.2 forbids it; PyYAML keeps the last value
     without a word). A merge (``<<: *anchor``) may still be overridden by the mapping's own keys, as YAML's merge

@@ -36,9 +36,9 @@ activation and communication bytes are scaled by ``RUNTIME_BYTES / plan.target.d
 
 Measured figures: the median over steps ``first_step..N`` (default 5, or every step after the first when the run is
 shorter; a given ``first_step`` past the last step is refused) of each step's value; per-PP-rank figures average the
-ranks of that PP rank (they are replicas). A run with ``--meter-every K > 1`` has unmetered steps: times (step, actions, p2p, optimizer) come from those, which the
-saved-tensor hooks and the collective meter did not slow down, and the saved-activation peaks and in-layer
-collectives from the metered ones.
+ranks of that PP rank (they are replicas). A run with ``--meter-every K > 1`` has unmetered steps: times (step,
+actions, p2p, optimizer) come from those, which the saved-tensor hooks and the collective meter did not slow down,
+and the saved-activation peaks and in-layer collectives from the metered ones.
 
 Per comm class (:func:`comm_class_rows`, the second table): bytes one device sends per step over the intra-node and
 the inter-node link (``prediction.comm[cls].intra_bytes`` / ``inter_bytes`` against the mean over ranks of
@@ -125,6 +125,17 @@ def measured_window(records: list[StepRecord], first_step: int | None = None) ->
         last = max((r.step for r in records), default=0)
         raise PlanError(f"first_step={first_step}: the metrics end at step {last}; give a step from 1 to {last}")
     return chosen
+
+
+def _split_window(records: list[StepRecord], first_step: int | None
+                  ) -> tuple[list[StepRecord], list[StepRecord], list[StepRecord]]:
+    """(window, timed, metered): the :func:`measured_window`; its unmetered steps, whose times the meters did not
+    slow (the whole window when every step was metered); its metered steps, which hold the saved-activation peaks
+    and in-layer collectives (the run's metered steps, or the window, when the window has none)."""
+    window = measured_window(records, first_step)
+    timed = [r for r in window if not r.metered] or window
+    metered = [r for r in window if r.metered] or [r for r in records if r.metered] or window
+    return window, timed, metered
 
 
 def _byte_scale(plan: Plan) -> float:
@@ -250,9 +261,7 @@ def compare(plan: Plan, records: list[StepRecord], *, first_step: int | None = N
     count differs) or ``first_step`` is past the run."""
     if any(len(r.ranks) != plan.layout.num_devices for r in records):
         raise PlanError(f"metrics: the run has {len(records[0].ranks)} ranks, the plan {plan.layout.num_devices}")
-    window = measured_window(records, first_step)
-    timed = [r for r in window if not r.metered] or window
-    metered = [r for r in window if r.metered] or [r for r in records if r.metered] or window
+    _, timed, metered = _split_window(records, first_step)
     rows = [Row("step time", "s", plan.prediction.step_time_s, statistics.median(r.step_time_s for r in timed)),
             Row("tokens/s", "tokens/s", plan.prediction.tokens_per_s,
                 statistics.median(r.tokens_per_s for r in timed))]
@@ -293,9 +302,7 @@ def comm_class_rows(plan: Plan, records: list[StepRecord], *, first_step: int | 
     ``comm <class> <figure>`` of :data:`COMM_FIGURES`, predicted vs measured (module docstring). Bytes are per
     device and step, the plan's scaled to the fp32 runtime; a tier's measured bytes are None for a class whose
     tiers the runtime does not tally (pp, dp), an overlap rate None for a class that moved nothing."""
-    window = measured_window(records, first_step)
-    timed = [r for r in window if not r.metered] or window
-    metered = [r for r in window if r.metered] or [r for r in records if r.metered] or window
+    window, timed, metered = _split_window(records, first_step)
     scale = _byte_scale(plan)
     rows: list[Row] = []
     for cls in COMM_CLASSES:
