@@ -184,11 +184,11 @@ class RuntimeSupport(BaseModel):
     the ``cpu`` emulator runs moeplan's own runtime."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
-    schedules: tuple[ScheduleKind, ...] = SCHEDULES
-    """Pipeline schedules the runtime executes (1f1b, interleaved, zero-bubble, zbv, dualpipev)."""
-    dispatchers: tuple[Dispatcher, ...] = DISPATCHERS
+    schedules: tuple[ScheduleKind, ...] = Field(default=SCHEDULES, min_length=1)
+    """Pipeline schedules the runtime executes (1f1b, interleaved, zero-bubble, zbv, dualpipev); at least one."""
+    dispatchers: tuple[Dispatcher, ...] = Field(default=DISPATCHERS, min_length=1)
     """EP token dispatchers the runtime executes: ``flat`` all-to-all, MindSpeed's ``hierarchical`` all-to-all-v,
-    ``dedup`` (DeepEP-style, one copy per destination node)."""
+    ``dedup`` (DeepEP-style, one copy per destination node); at least one."""
     overlap: tuple[Mechanism, ...] = Field(default_factory=lambda: tuple(MECHANISMS))
     """Overlap mechanisms the runtime executes (moeplan/mechanisms.py: ``shared-expert``, ``fb``, ``dp``, ``pp``):
     a list, or in a target file ``all`` (every registered one, the default) or ``moeplan-runtime`` (those moeplan's

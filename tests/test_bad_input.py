@@ -90,8 +90,10 @@ def _delete(doc, path):
     return out
 
 
-_CONTAINERS = st.one_of(st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(),
-                                                                              max_size=2))
+# lists non-empty: a field that names a set by a string may take the empty set as a list (runtime.overlap: "all",
+# or [] for a runtime that overlaps nothing)
+_CONTAINERS = st.one_of(st.lists(st.integers(), min_size=1, max_size=3),
+                        st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 _NUMBER = (int, float)
 
 

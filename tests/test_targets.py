@@ -211,3 +211,19 @@ def test_launch_granularity_and_training_dtype() -> None:
     cpu = load_target("cpu")
     assert cpu.launch.granularity == "kernel" and cpu.training_dtype == "fp32" and cpu.dtype_bytes == 4
     assert cpu.launch.forward_kernel_s > 0 and cpu.launch.backward_kernel_s > 0
+
+
+@pytest.mark.parametrize("field,value,ok", [("schedules", [], False), ("dispatchers", [], False),
+                                            ("overlap", [], True), ("overlap", "moeplan-runtime", True)])
+def test_runtime_sets(tmp_path: Path, field: str, value: object, ok: bool) -> None:
+    """A runtime that runs no schedule or no dispatcher leaves the search nothing: refused naming the field; one
+    that overlaps nothing is valid (``overlap: []``)."""
+    doc = yaml.safe_load((_TARGET_DIR / "cpu.yaml").read_text())
+    doc["runtime"][field] = value
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(doc))
+    if ok:
+        assert isinstance(load_target(str(tmp_path / "t.yaml")).runtime.overlap, tuple)
+        return
+    with pytest.raises(TargetError) as exc:
+        load_target(str(tmp_path / "t.yaml"))
+    assert f"runtime.{field}=[]" in _one_line_error(exc)
