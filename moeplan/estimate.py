@@ -46,15 +46,17 @@ class ModelCost:
     piece_s: Mapping[LayerKind, float] = field(default_factory=dict)  # what the partition pass splits by: piece_time_s
     memory_parts: dict[tuple, LayerParts] = field(default_factory=dict, compare=False, repr=False)
     """:func:`estimate_memory`'s :class:`~moeplan.cost_models.memory.LayerParts` per (chunk kinds, modes), filled as
-    it goes: they depend on ``layers`` alone (fixed here), so every layout estimated with this cost and split alike
-    reuses them (integers: the same figures)."""
+    it goes: they depend on ``layers`` alone, so every layout estimated with this cost (or another cost with the same
+    ``layers``: :func:`model_cost`) and split alike reuses them (integers: the same figures)."""
 
 
 def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Dispatcher, overlap: frozenset,
-               counts: Counter, cache: dict, precision: Precision = Precision()) -> ModelCost:
+               counts: Counter, cache: dict, precision: Precision = Precision(), *,
+               memory_parts: dict | None = None) -> ModelCost:
     """:class:`ModelCost` of the slots ``counts``. ``cache`` keeps each kind's layer cost and timeline prices per
     what they depend on: (tp, cp, micro-batch) for a layer without routed experts, also (ep, etp, dispatcher) for
-    one with them.
+    one with them. ``memory_parts``: the dict the cost fills with :func:`estimate_memory`'s layer parts; the costs
+    of one layer-cost shape (the same layer costs, other overlap sets) may share one (default: its own).
 
     A stage runs its layers back to back, and across an ``fb`` pair the timeline overlaps one layer's collectives
     with the next layer's compute. So under ``fb`` a kind's pair is priced as its steady increment, half what two
@@ -85,7 +87,8 @@ def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Di
             busy[tier] += n * secs
         for m in MODES:
             redo[m] += n * priced[1][m]
-    return ModelCost(f, i, w, pair, redo, edges[max(counts, key=counts.__getitem__)], busy, layers, piece)
+    return ModelCost(f, i, w, pair, redo, edges[max(counts, key=counts.__getitem__)], busy, layers, piece,
+                     {} if memory_parts is None else memory_parts)
 
 
 def _kind_prices(key: tuple, prog: LayerProgram, target: Target, overlap: frozenset, cache: dict

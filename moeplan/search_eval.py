@@ -237,13 +237,14 @@ def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
     cache = _SHARED.setdefault("costs", {})  # per process: forked workers each keep their own
     out = []
     costs: dict[frozenset, ModelCost] = {}  # the options of one shape differ in their overlap sets only
+    parts: dict = {}  # so their costs share the layer costs, and the memory parts of them
     sums: dict[tuple, PieceSums] = {}
     opt_floor = norm_s(options[0][0].world_size, target)
     for lay, st, params in options:
         cost = costs.get(st.overlap)
         if cost is None:
             cost = costs[st.overlap] = model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache,
-                                                  st.precision)
+                                                  st.precision, memory_parts=parts)
         memory = estimate_memory(lay, st, cost, kinds=slots, target=target, budget=_SHARED["budget"],
                                  hidden_size=graph.spec.hidden_size)
         est = estimate_step(lay, st, cost, weights=_SHARED["weights"], slots=_SHARED["slot_flags"], params=params,

@@ -130,12 +130,17 @@ def torch_compute_order(kind: ScheduleKind, pp: int, vpp: int, num_microbatches:
     """Per-rank compute actions of torch's schedule ``kind`` (zero-bubble, zbv, dualpipev), as strings.
 
     torch's runtime schedules (DualPipeV) also lower their order to p2p actions while constructed; moeplan adds its
-    own (:func:`with_comms`), so that lowering, most of the construction time at pp 32, is skipped."""
+    own (:func:`with_comms`), so that lowering, most of the construction time at pp 32, is skipped. So is the
+    interleaved zero bubble's ``_add_bubbles_to_actions``, a third of its construction: it only inserts ``None``
+    steps between a rank's actions (its source, torch/distributed/pipelining/schedules.py), which are dropped here."""
     from unittest import mock
 
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime, get_schedule_class
+    from torch.distributed.pipelining.schedules import (ScheduleInterleavedZeroBubble, _PipelineScheduleRuntime,
+                                                        get_schedule_class)
 
-    with mock.patch.object(_PipelineScheduleRuntime, "_prepare_schedule_with_comms", lambda self, order: None):
+    with mock.patch.object(_PipelineScheduleRuntime, "_prepare_schedule_with_comms", lambda self, order: None), \
+            mock.patch.object(ScheduleInterleavedZeroBubble, "_add_bubbles_to_actions",
+                              lambda self, num_stages: self.pipeline_order):
         schedule = get_schedule_class(_TORCH_NAMES[kind])([_Stage(pp, pp * vpp)] * vpp, num_microbatches)
     return tuple(tuple(str(a) for a in schedule.pipeline_order[r] if a is not None) for r in range(pp))
 
