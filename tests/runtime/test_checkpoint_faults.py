@@ -129,7 +129,7 @@ def test_killed_rank_stops_every_rank_and_resume_reproduces_losses(setup, uninte
 def test_resume_from_another_layout_is_refused(setup, uninterrupted):
     other = setup / "other.yaml"
     save_plan(make_plan(2, dict(pp=1, tp=1, cp=1, ep=1, micro_batch=4)), other)
-    proc = moeplan("run", str(other), "--steps", "8", "--data", str(setup / "tokens.npy"), "--resume",
+    proc = run_moeplan("run", str(other), "--steps", "8", "--data", str(setup / "tokens.npy"), "--resume",
                    "--checkpoint-dir", str(setup / "ck_full"))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr

@@ -7,6 +7,7 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +22,9 @@ from moeplan.runtime.metrics import RankStep, StepRecord
 from moeplan.search import Fixed
 from moeplan.spec import load_spec
 from moeplan.targets import load_target
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from inprocess import run_moeplan  # noqa: E402
 
 
 def moeplan(*args: str) -> subprocess.CompletedProcess:
@@ -115,7 +119,7 @@ def short_run(tmp_path_factory):
 
 
 def test_compare_json_has_the_comm_rows_of_a_real_run(short_run, plan):
-    proc = moeplan("compare", str(short_run / "plan.yaml"), str(short_run / "run.jsonl"), "--json",
+    proc = run_moeplan("compare", str(short_run / "plan.yaml"), str(short_run / "run.jsonl"), "--json",
                    "--first-step", "2")
     assert proc.returncode == 0, proc.stderr
     rows = {r["quantity"]: r for r in json.loads(proc.stdout)}
@@ -129,7 +133,7 @@ def test_compare_json_has_the_comm_rows_of_a_real_run(short_run, plan):
 
 
 def test_compare_prints_the_comm_table(short_run):
-    proc = moeplan("compare", str(short_run / "plan.yaml"), str(short_run / "run.jsonl"), "--first-step", "2")
+    proc = run_moeplan("compare", str(short_run / "plan.yaml"), str(short_run / "run.jsonl"), "--first-step", "2")
     assert proc.returncode == 0, proc.stderr
     lines = [ln.strip("│ ") for ln in proc.stdout.splitlines()]
     assert any(ln.startswith("ep ") and "intra-node bytes" in ln for ln in lines)

@@ -27,6 +27,8 @@ from moeplan.runtime.data import stdlib_tokens
 from moeplan.targets import load_target
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from inprocess import run_moeplan  # noqa: E402
 from test_executor import make_plan  # noqa: E402
 
 STEPS = 3
@@ -275,7 +277,7 @@ def test_metrics_lines_carry_the_measurements(pp2, run_metrics):
 
 
 def test_compare_json(pp2, run_metrics):
-    proc = moeplan("compare", str(pp2 / "plan.yaml"), str(run_metrics), "--json", "--first-step", "2")
+    proc = run_moeplan("compare", str(pp2 / "plan.yaml"), str(run_metrics), "--json", "--first-step", "2")
     assert proc.returncode == 0, proc.stderr
     rows = {r["quantity"]: r for r in json.loads(proc.stdout)}
     plan = load_plan(pp2 / "plan.yaml")
@@ -291,9 +293,9 @@ def test_compare_json(pp2, run_metrics):
 
 
 def test_compare_names_the_steps_it_compares_and_refuses_a_first_step_past_the_run(pp2, run_metrics):
-    shown = moeplan("compare", str(pp2 / "plan.yaml"), str(run_metrics))  # 3 steps: every step after the first
+    shown = run_moeplan("compare", str(pp2 / "plan.yaml"), str(run_metrics))  # 3 steps: every step after the first
     assert shown.returncode == 0 and "(median of steps 2..3)" in shown.stdout, shown.stderr
-    past = moeplan("compare", str(pp2 / "plan.yaml"), str(run_metrics), "--first-step", "1000")
+    past = run_moeplan("compare", str(pp2 / "plan.yaml"), str(run_metrics), "--first-step", "1000")
     assert past.returncode == 2 and past.stdout == ""
     assert past.stderr.strip().splitlines() == [
         "error: first_step=1000: the metrics end at step 3; give a step from 1 to 3"], past.stderr
@@ -302,7 +304,7 @@ def test_compare_names_the_steps_it_compares_and_refuses_a_first_step_past_the_r
 def test_compare_rejects_another_layouts_metrics(pp2, run_metrics, tmp_path):
     other = tmp_path / "one.yaml"
     save_plan(make_plan(1, dict(pp=1, tp=1, cp=1, micro_batch=2)), other)
-    proc = moeplan("compare", str(other), str(run_metrics))
+    proc = run_moeplan("compare", str(other), str(run_metrics))
     assert proc.returncode == 2 and "the run has 2 ranks, the plan 1" in proc.stderr
 
 
@@ -345,7 +347,7 @@ def test_calibrate_writes_a_target_the_compiler_uses(tmp_path):
     per_message = float(line.split("waited after: ", 1)[1].split()[0]) * 1e-6
     assert target.launch.p2p_host_s == pytest.approx(per_message, rel=1e-3, abs=5e-7)
     plan = tmp_path / "plan.yaml"
-    proc = moeplan("compile", "tiny-pangu", "--target", str(out), "--devices", "2", "--pp", "2", "-o", str(plan))
+    proc = run_moeplan("compile", "tiny-pangu", "--target", str(out), "--devices", "2", "--pp", "2", "-o", str(plan))
     assert proc.returncode == 0, proc.stderr
     assert load_plan(plan).target == target
 
