@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, model_validator
 
 from moeplan.actions import rank_chunk, stage_of, stage_rank
 from moeplan.errors import PlanError, validation_message
@@ -25,7 +25,7 @@ from moeplan.layout import Layout
 from moeplan.mechanisms import Mechanism
 from moeplan.names import Dispatcher, ScheduleKind
 from moeplan.plan_check import check_plan
-from moeplan.plan_schedule import _is_p2p, _with_p2p, decode_actions, encode_actions
+from moeplan.plan_schedule import ACTIONS_PER_CHUNK_MICROBATCH, _is_p2p, _with_p2p, decode_actions, encode_actions
 from moeplan.spec import ModelSpec
 from moeplan.targets import Target
 
@@ -344,8 +344,12 @@ class PlanSchedule(_Frozen):
     _actions: tuple[tuple[str, ...], ...] = PrivateAttr(default=())
 
     @model_validator(mode="after")
-    def _decode(self) -> "PlanSchedule":
-        actions = [tuple(decode_actions(line, where=f"schedule.ranks[{r}]")) for r, line in enumerate(self.ranks)]
+    def _decode(self, info: ValidationInfo) -> "PlanSchedule":
+        """The lines decoded, each at most ``max_actions`` actions when the validation context gives it
+        (:func:`load_plan`: from the plan's layout)."""
+        limit = (info.context or {}).get("max_actions")
+        actions = [tuple(decode_actions(line, where=f"schedule.ranks[{r}]", limit=limit))
+                   for r, line in enumerate(self.ranks)]
         if self.p2p == "derived":
             actions = _with_p2p(self.kind, actions)
         self._actions = tuple(actions)
@@ -495,11 +499,22 @@ def load_plan(path: str | Path) -> Plan:
             field = found[0] if found[0].isprintable() else repr(found[0])
             raise PlanError(f"{field}={found[1]!r}: {rule} (plan {path})")
     try:
-        plan = Plan.model_validate(data)
+        plan = Plan.model_validate(data, context={"max_actions": _max_actions(data.get("layout"))})
     except ValidationError as e:
         raise PlanError(validation_message(e.errors()[0], where=f"plan {path}")) from None
     check_plan(plan)
     return plan
+
+
+def _max_actions(layout: object) -> int:
+    """The most actions a rank's schedule line may expand to: ``ACTIONS_PER_CHUNK_MICROBATCH`` per chunk and
+    micro-batch of the plan's layout, read before the layout is validated. Where ``vpp`` or ``num_microbatches`` is
+    not an integer from 1 to 64 or 2**20, the limit is that of 64 chunks and 4096 micro-batches (a line cannot make
+    the reader expand without bound; the layout's own error follows when the lines fit)."""
+    vpp, m = (layout.get(k) if isinstance(layout, dict) else None for k in ("vpp", "num_microbatches"))
+    if type(vpp) is int and type(m) is int and 1 <= vpp <= 64 and 1 <= m <= 2**20:
+        return ACTIONS_PER_CHUNK_MICROBATCH * vpp * m
+    return ACTIONS_PER_CHUNK_MICROBATCH * 64 * 4096
 
 
 def _non_finite(value: object) -> bool:

@@ -52,10 +52,17 @@ def encode_actions(actions: Sequence[str], *, longest_block: int = 12) -> str:
     return " ".join(out)
 
 
-def decode_actions(line: str, *, where: str = "schedule.ranks") -> list[str]:
-    """The action list of one ``PlanSchedule.ranks`` line. Raises PlanError naming ``where`` and the token on a
-    malformed run or action."""
-    out: list[str] = []
+#: the most actions one rank's line may hold per (chunk, micro-batch): F, I and W (or F and B), each with a RECV
+#: before and a SEND after it when the p2p actions are listed
+ACTIONS_PER_CHUNK_MICROBATCH = 9
+
+
+def decode_actions(line: str, *, where: str = "schedule.ranks", limit: int | None = None) -> list[str]:
+    """The action list of one ``PlanSchedule.ranks`` line, at most ``limit`` actions (checked on the runs' counts
+    before any run is expanded). Raises PlanError naming ``where`` and the token on a malformed run or action, or
+    the count when the line holds more than ``limit``."""
+    runs: list[tuple[str, list[str], int]] = []
+    total = 0
     for m in _RUN.finditer(line):
         block, count, token = m.group(1), m.group(2), m.group(3)
         if token is not None:
@@ -69,5 +76,9 @@ def decode_actions(line: str, *, where: str = "schedule.ranks") -> list[str]:
                 parse_action(a)
             except PlanError:
                 raise PlanError(f"{where}: {a!r} is not an action (e.g. 0F1, 0B1, 0SEND_F1)") from None
-        out += [_shift(a, r) for r in range(int(count)) for a in acts]
-    return out
+        total += int(count) * len(acts)
+        if limit is not None and total > limit:
+            raise PlanError(f"{where}: {m.group()[:40]!r} makes the line more than {limit} actions, the most a rank "
+                            f"runs per step ({ACTIONS_PER_CHUNK_MICROBATCH} per chunk and micro-batch)")
+        runs.append((m.group(), acts, int(count)))
+    return [_shift(a, r) for _, acts, count in runs for r in range(count) for a in acts]

@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import sys
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -262,6 +263,21 @@ def test_yaml_that_would_crash_the_reader(tmp_path):
                          ("vocab_size: 2024-13-45\n", "month must be in 1..12")):
         (tmp_path / "m.yaml").write_text(text)
         assert needle in assert_refused(load_spec, tmp_path / "m.yaml", SpecError, "malformed YAML")
+
+
+def test_a_run_count_is_bounded_before_it_is_expanded(tmp_path):
+    """``0F0*2000000000`` in a schedule line is refused from its count, before a single action is expanded: a line
+    holds at most 9 actions per chunk and micro-batch of the plan's layout (moeplan/plan_schedule.py)."""
+    doc = _plan_doc()
+    limit = 9 * doc["layout"]["vpp"] * doc["layout"]["num_microbatches"]
+    doc = {**doc, "schedule": {**doc["schedule"], "ranks": ["0F0*2000000000", *doc["schedule"]["ranks"][1:]]}}
+    t0 = time.perf_counter()
+    msg = assert_refused(load_plan, write(tmp_path, "p.yaml", doc), PlanError, "schedule.ranks[0]")
+    assert time.perf_counter() - t0 < 5 and f"more than {limit} actions" in msg, msg
+    # a layout too large to trust still bounds the line (64 chunks and 4096 micro-batches)
+    doc["layout"] = {**doc["layout"], "num_microbatches": 10**12}
+    assert f"more than {9 * 64 * 4096} actions" in assert_refused(load_plan, write(tmp_path, "q.yaml", doc),
+                                                                   PlanError, "schedule.ranks[0]")
 
 
 # ---- the CLI: exit 2, one line, nothing written ----------------------------------------------------------------
