@@ -40,6 +40,8 @@ def compile_model(*, spec: ModelSpec, target: Target, num_devices: int, fixed: F
     t0 = time.perf_counter()
     if not isinstance(pipeline, Pipeline):
         pipeline = Pipeline.parse(pipeline)  # reject a bad pipeline before any work
+    # the plan's spec states the shape it is compiled for (load_plan checks they agree)
+    spec = spec.with_shape(seq_len=fixed.seq_len, global_batch=fixed.global_batch)
     graph = trace_model(spec, seq_len=fixed.seq_len)
     trace_s = time.perf_counter() - t0
     result = search(graph=graph, target=target, num_devices=num_devices, fixed=fixed, pipeline=pipeline,

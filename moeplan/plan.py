@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PrivateAttr,
+                      ValidationError, ValidationInfo, model_validator)
 
 from moeplan.actions import rank_chunk, stage_of, stage_rank
 from moeplan.errors import PlanError, validation_message
@@ -404,27 +405,27 @@ class PlanCommClass(_Frozen):
 class PlanPrediction(_Frozen):
     """What the simulation predicts for one training step (docs/step-model.md)."""
 
-    step_time_s: float
+    step_time_s: PositiveFloat
     """Seconds per optimizer step."""
-    tokens_per_s: float
+    tokens_per_s: PositiveFloat
     """Tokens trained per second over all devices: global_batch·seq_len / step_time_s."""
-    mfu: float
+    mfu: NonNegativeFloat
     """Model FLOPs utilization, a fraction (see mfu_definition)."""
-    hfu: float
+    hfu: NonNegativeFloat
     """Hardware FLOPs utilization: the FLOPs executed (recompute, MTP, router included) per second over peak."""
-    bubble: float
+    bubble: NonNegativeFloat
     """Mean over PP ranks of the compute stream's idle time over the step, a fraction."""
-    peak_memory_bytes: list[int]
+    peak_memory_bytes: list[NonNegativeInt]
     """Per PP rank, the device bytes at the fullest point (memory.ranks[r].total_bytes)."""
-    exposed_comm_s: dict[str, float]
+    exposed_comm_s: dict[str, NonNegativeFloat]
     """Per comm class, seconds the compute stream waits on it (averaged over PP ranks)."""
-    model_flops_per_step: float
+    model_flops_per_step: NonNegativeFloat
     """Model FLOPs of one step (the MFU numerator times the step time)."""
     comm: dict[str, PlanCommClass] = Field(default_factory=dict)
     """Per comm class (tp, ep, cp, dp, pp): time, exposure, overlap and bytes."""
-    host_wait_s: float = 0.0
+    host_wait_s: NonNegativeFloat = 0.0
     """Mean over PP ranks, seconds the compute stream waited for the host to launch work."""
-    optimizer_s: float = 0.0
+    optimizer_s: NonNegativeFloat = 0.0
     """Seconds of the slowest rank's optimizer update (and the clipping all-reduce), after the DP collectives."""
     mfu_definition: str = MFU_DEFINITION
     """How MFU is counted."""

@@ -16,9 +16,11 @@ if TYPE_CHECKING:
 def check_plan(plan: Plan) -> None:
     """Check a plan's internal consistency; raise PlanError naming the first problem.
 
-    Rules: the model hash matches its spec; tp·cp·dp·pp equals the device count; the stages have pp ranks of vpp
-    chunks; every layer of the model sits on exactly one chunk (empty layers only as listed); the schedule has one
-    action list per PP rank and every action is of the pipelining notation on a stage the rank holds.
+    Rules: the model hash matches its spec; tp·cp·dp·pp equals the device count; the global batch is
+    dp·micro_batch·num_microbatches sequences, and the layout's seq_len and global_batch are the spec's; the stages
+    have pp ranks of vpp chunks; every layer of the model sits on exactly one chunk (empty layers only as listed),
+    in the model's order along the stages; the schedule has one action list per PP rank and every action is of the
+    pipelining notation on a stage the rank holds.
     """
     lay, spec = plan.layout, plan.model.spec
     if spec.fingerprint() != plan.model.fingerprint:
@@ -27,6 +29,14 @@ def check_plan(plan: Plan) -> None:
     if lay.tp * lay.cp * lay.dp * lay.pp != lay.num_devices:
         raise PlanError(f"layout.num_devices={lay.num_devices}: must equal tp·cp·dp·pp "
                         f"= {lay.tp * lay.cp * lay.dp * lay.pp}")
+    if lay.dp * lay.micro_batch * lay.num_microbatches != lay.global_batch:
+        raise PlanError(f"layout.global_batch={lay.global_batch}: must equal dp·micro_batch·num_microbatches "
+                        f"= {lay.dp}·{lay.micro_batch}·{lay.num_microbatches} = "
+                        f"{lay.dp * lay.micro_batch * lay.num_microbatches} sequences")
+    for name in ("seq_len", "global_batch"):
+        if getattr(lay, name) != getattr(spec, name):
+            raise PlanError(f"layout.{name}={getattr(lay, name)}: must equal the model's {name} "
+                            f"({getattr(spec, name)}), the shape the plan was compiled for")
     if len(plan.stages.chunks) != lay.pp or any(len(c) != lay.vpp for c in plan.stages.chunks):
         raise PlanError(f"stages.chunks: must hold pp={lay.pp} ranks of vpp={lay.vpp} chunks")
     _check_layers(plan)
@@ -49,9 +59,18 @@ def _check_layers(plan: Plan) -> None:
                     except (KeyError, ValueError):
                         raise PlanError(f"stages: layer {n!r} is not a layer of {plan.model.name}") from None
                 seen[n] = r
-    missing = [n for n, _ in named_layers(spec) if n not in seen]
+    order = [n for n, _ in named_layers(spec)]
+    missing = [n for n in order if n not in seen]
     if missing:
         raise PlanError(f"stages: layer {missing[0]!r} is on no pp rank")
+    at = {n: i for i, n in enumerate(order)}
+    by_stage = {plan.stages.stage_of(r, c): names for r, chunks in enumerate(plan.stages.chunks)
+                for c, names in enumerate(chunks)}
+    placed = [n for s in sorted(by_stage) for n in by_stage[s] if n in at]
+    for before, n in zip(placed, placed[1:]):
+        if at[n] < at[before]:
+            raise PlanError(f"stages: layer {n!r} comes after {before!r} along the stages; each stage holds a "
+                            f"contiguous run of the model's layers, in the model's order")
 
 
 def _check_actions(plan: Plan) -> None:

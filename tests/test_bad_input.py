@@ -8,6 +8,7 @@ two tracebacks seen with valid input, the last-resort guard, and the layout mess
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -278,6 +279,29 @@ def test_a_run_count_is_bounded_before_it_is_expanded(tmp_path):
     doc["layout"] = {**doc["layout"], "num_microbatches": 10**12}
     assert f"more than {9 * 64 * 4096} actions" in assert_refused(load_plan, write(tmp_path, "q.yaml", doc),
                                                                    PlanError, "schedule.ranks[0]")
+
+
+def _swap_layers(doc: dict) -> None:
+    """Swap the first two layers of the first chunk that holds two."""
+    names = next(c for rank in doc["stages"]["chunks"] for c in rank if len(c) >= 2)
+    names[0], names[1] = names[1], names[0]
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda d: d["layout"].update(global_batch=2 * d["layout"]["global_batch"]),
+     "layout.global_batch=16: must equal dp·micro_batch·num_microbatches = 2·4·1 = 8 sequences"),
+    (lambda d: d["layout"].update(seq_len=128), "layout.seq_len=128: must equal the model's seq_len (64)"),
+    (_swap_layers, "along the stages; each stage holds a contiguous run of the model's layers"),
+    (lambda d: d["prediction"].update(step_time_s=-d["prediction"]["step_time_s"]), "prediction.step_time_s="),
+    (lambda d: d["prediction"].update(mfu=-0.1), "prediction.mfu=-0.1"),
+    (lambda d: d["prediction"]["exposed_comm_s"].update(ep=-1.0), "prediction.exposed_comm_s.ep=-1.0"),
+], ids=["global_batch", "seq_len", "layer_order", "negative_step", "negative_mfu", "negative_exposed"])
+def test_a_plan_is_checked_whole(tmp_path, edit, needle):
+    """What the schema alone accepts but no compile makes: the batch arithmetic, the shape the spec was compiled
+    for, the layers' order, negative predictions (each was simulated or run: issue 34)."""
+    doc = copy.deepcopy(_plan_doc())
+    edit(doc)
+    assert needle in assert_refused(load_plan, write(tmp_path, "p.yaml", doc), PlanError, None)
 
 
 # ---- the CLI: exit 2, one line, nothing written ----------------------------------------------------------------
