@@ -150,19 +150,64 @@ def _texts(compute: Sequence[_Compute]) -> list[str]:
 
 
 def pair_fb(compute: Sequence[str]) -> list[str]:
-    """Merge every F immediately followed by a B into one ``(F;B)OVERLAP_F_B`` action (steady state only: the
-    warm-up forwards are followed by a forward, the cool-down backwards by a backward)."""
+    """Merge every F immediately followed by a B of another micro-batch into one ``(F;B)OVERLAP_F_B`` action
+    (steady state only: the warm-up forwards are followed by a forward, the cool-down backwards by a backward). A
+    backward of micro-batch k waits, through the later stages and the loss, on every forward of k: paired with one,
+    neither could start. With fewer micro-batches than the warm-up, the last forward is followed by the backward of
+    the same micro-batch, and stays unpaired."""
     out: list[str] = []
     i = 0
     while i < len(compute):
         a = compute[i]
-        if i + 1 < len(compute) and action_kind(a) == "F" and action_kind(compute[i + 1]) == "B":
+        if (i + 1 < len(compute) and action_kind(a) == "F" and action_kind(compute[i + 1]) == "B"
+                and parse_action(a).microbatch != parse_action(compute[i + 1]).microbatch):
             out.append(pair(a, compute[i + 1]))
             i += 2
         else:
             out.append(a)
             i += 1
     return out
+
+
+def unpair_blocked(compute: Sequence[Sequence[str]], *, num_stages: int) -> list[list[str]]:
+    """``compute`` (per rank, compute actions) with every ``OVERLAP_F_B`` pair that could never start run as its F
+    then its B instead. A pair starts once both halves' inputs are done before it: F of (stage s, micro-batch k)
+    needs F (s − 1, k); B (s, k) needs F (s, k) and B (s + 1, k) (the loss at the last stage). Pairing is per rank,
+    so two ranks' pairs can wait on each other (rank 0's ``(4F1;4B0)`` needs ``5B0``, paired on rank 1 with ``5F1``,
+    which needs ``4F1``): the lists are swept as the ranks would run them, and a pair at the head of a stuck rank
+    is split, until every list runs to its end or no stuck head is a pair (a deadlock of the schedule itself, which
+    the simulator reports)."""
+    out = [list(c) for c in compute]
+    while True:
+        done: set[tuple[str, int, int]] = set()
+        ptr = [0] * len(out)
+        moved = True
+        while moved:
+            moved = False
+            for r, acts in enumerate(out):
+                while ptr[r] < len(acts):
+                    parts = [(p.kind, p.stage, p.microbatch) for p in compute_parts(acts[ptr[r]])]
+                    if not all(_input_done(p, done, num_stages) for p in parts):
+                        break
+                    done.update(parts)
+                    ptr[r] += 1
+                    moved = True
+        stuck = [(r, ptr[r]) for r, acts in enumerate(out)
+                 if ptr[r] < len(acts) and parse_action(acts[ptr[r]]).kind == OVERLAP]
+        if not stuck:
+            return out
+        r, i = stuck[0]
+        out[r][i:i + 1] = [str(p) for p in compute_parts(out[r][i])]
+
+
+def _input_done(part: tuple[str, int, int], done: set[tuple[str, int, int]], num_stages: int) -> bool:
+    kind, s, k = part
+    if kind == "F":
+        return s == 0 or ("F", s - 1, k) in done
+    if kind in ("B", "I"):
+        later = ("F", s, k) if s == num_stages - 1 else ("B", s + 1, k)
+        return ("F", s, k) in done and (later in done or ("I", s + 1, k) in done)
+    return ("I", s, k) in done or ("B", s, k) in done  # W after its stage's input gradient
 
 
 def split_fb(compute: Sequence[str]) -> list[str]:
@@ -189,7 +234,7 @@ def build_actions(kind: ScheduleKind, *, pp: int, vpp: int, num_microbatches: in
     else:
         compute = [list(r) for r in torch_compute_order(kind, pp, vpp, m)]
     if kind in ("1f1b", "interleaved") and fb:
-        compute = [pair_fb(c) for c in compute]
+        compute = unpair_blocked([pair_fb(c) for c in compute], num_stages=pp * vpp)
     elif kind == "dualpipev" and not fb:
         compute = [split_fb(c) for c in compute]
     placement = placement_of(kind)

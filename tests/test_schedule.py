@@ -261,3 +261,25 @@ def test_one_grammar_both_ways(stage, kind, mb, stage2, mb2):
     assert text == f"({stage}F{mb};{stage2}B{mb2})OVERLAP_F_B" and str(parse_action(text)) == text
     with pytest.raises(PlanError, match="an OVERLAP_F_B pair is an F then a B"):
         pair(str(Action(stage, "B", mb)), str(Action(stage2, "F", mb2)))
+
+
+@pytest.mark.parametrize("vpp", [1, 3])
+def test_fb_pairs_never_wait_on_each_other(vpp):
+    """Issue 34: a pair never holds the forward and the backward of one micro-batch (pp 2, one micro-batch per
+    replica: '(0F0;0B0)'), and pairs on two ranks never wait on each other (interleaved pp 2 × vpp 3, 2 micro-batches:
+    rank 0's '(4F1;4B0)' needed 5B0, paired on rank 1 with 5F1, which needed 4F1); both compiles were refused as a
+    schedule deadlock by the simulator. Now they compile, the blocked pair run as its F then its B."""
+    from moeplan.compile import compile_model
+    from moeplan.search import Fixed
+    from moeplan.spec import load_spec
+    from moeplan.targets import load_target
+
+    fixed = dict(micro_batch=4, schedule="1f1b") if vpp == 1 else dict(micro_batch=2, schedule="interleaved")
+    plan = compile_model(spec=load_spec("tiny-pangu"), target=load_target("cpu", devices_per_node=2), num_devices=4,
+                         fixed=Fixed(global_batch=8, seq_len=64, pp=2, vpp=vpp, ep=2, tp=1, cp=1,
+                                     overlap=frozenset({"fb"}), **fixed), workers=1, candidates=1).plan
+    assert plan.prediction.step_time_s > 0 and "fb" in plan.comm.overlap
+    pairs = [parse_action(a).parts for acts in plan.schedule.actions for a in acts
+             if parse_action(a).kind == "OVERLAP_F_B"]
+    assert all(f.microbatch != b.microbatch for f, b in pairs)
+    assert len(pairs) == (0 if vpp == 1 else 1)  # rank 1 keeps (5F1;5B0); rank 0's (4F1;4B0) runs unpaired

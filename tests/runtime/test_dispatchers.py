@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from moeplan.cli_options import strategy_options
 from moeplan.compile import compile_model
 from moeplan.errors import PlanError
 from moeplan.plan import save_plan
@@ -30,20 +31,31 @@ def make_plan(dispatcher: str, *, ep: int = 4, devices_per_node: int = 2, fb: bo
                          workers=1, candidates=1).plan
 
 
-#: the runs of one 4-rank job: each dispatcher, and the hierarchical one with fb overlap (tests/runtime/test_fb_overlap.py)
+def overlap_all_plan():
+    """What ``moeplan compile tiny-pangu --target cpu --devices 4 --devices-per-node 2 --pp 2 --ep 2 --overlap all``
+    makes (issue 34: its fb pairs waited on each other, and the compile refused the request as a deadlock)."""
+    return compile_model(spec=load_spec("tiny-pangu"), target=load_target("cpu", devices_per_node=2), num_devices=4,
+                         fixed=Fixed(global_batch=8, seq_len=64, pp=2, ep=2, **strategy_options(
+                             schedule="auto", dispatcher="auto", overlap="all", recompute="auto")), workers=1).plan
+
+
+#: the runs of one 4-rank job: each dispatcher, and the hierarchical one with fb overlap (tests/runtime/test_fb_overlap.py),
+#: STEPS steps each; then ``overlap_all_plan`` for 12 steps
 RUNS = {**{name: dict(dispatcher=name) for name in DISPATCHERS}, "hierarchical+fb": dict(dispatcher="hierarchical",
                                                                                           fb=True)}
+OVERLAP_ALL_STEPS = 12
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_file) -> dict[str, list[float]]:
     folder = tmp_path_factory.mktemp("dispatchers")
+    plans = [make_plan(**options) for options in RUNS.values()] + [overlap_all_plan()]
     paths = []
-    for i, options in enumerate(RUNS.values()):
-        path = folder / f"plan{i}.yaml"
-        save_plan(make_plan(**options), path)
-        paths.append(str(path))
-    return dict(zip(RUNS, launch_function(train_plans, 4, paths, STEPS, data_file)[0]))
+    for i, plan in enumerate(plans):
+        save_plan(plan, folder / f"plan{i}.yaml")
+        paths.append(str(folder / f"plan{i}.yaml"))
+    steps = [STEPS] * len(RUNS) + [OVERLAP_ALL_STEPS]
+    return dict(zip([*RUNS, "overlap_all"], launch_function(train_plans, 4, paths, steps, data_file)[0]))
 
 
 def test_cpu_target_runs_the_node_aware_dispatcher():
@@ -53,6 +65,12 @@ def test_cpu_target_runs_the_node_aware_dispatcher():
 @pytest.mark.parametrize("name", RUNS)
 def test_dispatcher_matches_single_process(runs, reference, name):
     _assert_close(runs[name], reference)
+
+
+def test_overlap_all_on_pp2_ep2_compiles_and_matches_single_process(runs, reference):
+    plan = overlap_all_plan()
+    assert plan.layout.pp == 2 and plan.layout.ep == 2 and "fb" in plan.comm.overlap
+    _assert_close(runs["overlap_all"], reference, OVERLAP_ALL_STEPS)
 
 
 def test_node_groups_split_the_expert_group_by_node():
