@@ -44,6 +44,12 @@ _LOADER = _strict(getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml's sa
 _PURE_LOADER = _strict(yaml.SafeLoader)
 
 
+def loads_json(text: str) -> object:
+    """``json.loads`` of ``text`` where an object that states one key twice raises ValueError ("duplicate key
+    'k'"), as every moeplan reader treats it (the last value used to win in silence)."""
+    return json.loads(text, object_pairs_hook=_unique_pairs)
+
+
 def _unique_pairs(pairs: list[tuple[str, object]]) -> dict:
     out: dict = {}
     for k, v in pairs:
@@ -205,7 +211,7 @@ def read_json(path: str | Path, *, field: str, error: type[MoeplanError]) -> obj
     included."""
     text = read_text(path, field=field, error=error)
     try:
-        doc = json.loads(text, object_pairs_hook=_unique_pairs)
+        doc = loads_json(text)
     except ValueError as e:  # JSONDecodeError is one; _unique_pairs raises it for a key stated twice
         raise error(f"{field}={str(path)!r}: malformed JSON ({_first_line(e)})") from None
     except RecursionError:

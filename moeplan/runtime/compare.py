@@ -99,12 +99,17 @@ def read_records(path: str | Path) -> list[StepRecord]:
     """The step records of a metrics JSONL file; PlanError (one line) for a missing or malformed file."""
     path = Path(path)
     try:
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        records = [StepRecord.from_json(ln) for ln in lines]
+        lines = path.read_text().splitlines()
     except OSError as e:
         raise PlanError(f"metrics={str(path)!r}: cannot read ({e.strerror})") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise PlanError(f"metrics={str(path)!r}: not a moeplan run metrics file ({e})") from None
+    records = []
+    for n, ln in enumerate(lines, 1):
+        if not ln.strip():
+            continue
+        try:
+            records.append(StepRecord.from_json(ln))
+        except (ValueError, KeyError, TypeError) as e:
+            raise PlanError(f"metrics={str(path)!r}: line {n} is not a moeplan run metrics record ({e})") from None
     if not records:
         raise PlanError(f"metrics={str(path)!r}: holds no steps")
     return records

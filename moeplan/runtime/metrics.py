@@ -41,6 +41,8 @@ import torch
 from torch.distributed.distributed_c10d import ProcessGroup, Work
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moeplan.files import loads_json
+
 COMM_CLASSES = ("tp", "ep", "cp", "dp", "pp", "other")
 
 
@@ -417,7 +419,9 @@ class StepRecord:
 
     @staticmethod
     def from_json(line: str) -> "StepRecord":
-        d = json.loads(line)
+        """The record of one metrics line. Raises ValueError for malformed JSON or a key stated twice, KeyError or
+        TypeError for a missing or mistyped field."""
+        d = loads_json(line)
         ranks = tuple(RankStep(rank=r["rank"], pp_rank=r["pp_rank"], action_s=r["action_s"], comm_s=r["comm_s"],
                                comm_bytes=r["comm_bytes"],
                                peak_saved_bytes=-1 if r["peak_saved_bytes"] is None else r["peak_saved_bytes"],

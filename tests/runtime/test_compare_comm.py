@@ -16,7 +16,8 @@ from rich.console import Console
 from moeplan.compile import compile_model
 from moeplan.plan import save_plan
 from moeplan.errors import PlanError
-from moeplan.runtime.compare import comm_class_rows, measured_window, render_comm_classes, rows_json
+from moeplan.runtime.compare import (comm_class_rows, measured_window, read_records, render_comm_classes,
+                                     rows_json)
 from moeplan.runtime.data import stdlib_tokens
 from moeplan.runtime.metrics import RankStep, StepRecord
 from moeplan.search import Fixed
@@ -92,6 +93,17 @@ def test_metrics_without_the_new_fields_still_compare(plan):
     rows = _rows(plan, [_record(1, [dict(comm_s={"ep": 0.2})] * 4)])
     assert rows["comm ep intra-node bytes"].measured == 0
     assert rows["comm ep overlap rate"].measured == pytest.approx(0.0)
+
+
+def test_a_metrics_line_stating_a_key_twice_is_refused(tmp_path):
+    """Issue 34: the last value of a key stated twice used to win in silence."""
+    good = _record(1, [dict(comm_s={"ep": 0.2})]).to_json()
+    path = tmp_path / "m.jsonl"
+    path.write_text(good + "\n" + good.replace('"loss": 1.0', '"loss": 1.0, "loss": 9.0') + "\n")
+    with pytest.raises(PlanError, match=r"line 2 is not a moeplan run metrics record \(duplicate key 'loss'\)"):
+        read_records(path)
+    path.write_text(good + "\n")
+    assert read_records(path)[0].loss == 1.0
 
 
 def test_table_has_a_line_per_class(plan):
