@@ -8,6 +8,7 @@ earlier pass. The driver, not the passes, times each pass and names the pass tha
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 import typing
@@ -157,9 +158,13 @@ def _convert(name: str, key: str, raw: str, hint: object) -> object:
             if raw.lower() not in ("true", "false"):
                 raise ValueError
             return raw.lower() == "true"
-        return hint(raw)  # type: ignore[operator]
+        value = hint(raw)  # type: ignore[operator]
+        if isinstance(value, float) and not math.isfinite(value):  # no option means anything at nan or inf
+            raise ValueError
+        return value
     except ValueError:
-        rule = f"one of {', '.join(map(str, choices))}" if choices else f"a {getattr(hint, '__name__', hint)}"
+        rule = f"one of {', '.join(map(str, choices))}" if choices else (
+            "a finite number" if hint is float else f"a {getattr(hint, '__name__', hint)}")
         raise PlanError(f"pipeline={name}{{{key}={raw}}}: must be {rule}") from None
 
 

@@ -158,6 +158,10 @@ def test_a_pipeline_prints_back_and_changes_as_an_object():
         Pipeline.parse("shard").with_option("place-experts", "policy", "x")
     with pytest.raises(PlanError, match="'nope' is not an option of plan-memory"):
         p.with_option("plan-memory", "nope", 1)
+    # issue 34: nan and inf are no option's value (budget_gib=nan ended in "needs 0.0 GiB", time_limit_s=nan ran)
+    for option in ("budget_fraction=inf", "budget_gib=nan", "time_limit_s=nan", "time_limit_s=-inf"):
+        with pytest.raises(PlanError, match=rf"pipeline=plan-memory\{{{option}\}}: must be a finite number"):
+            Pipeline.parse(f"shard,partition-stages,place-experts,schedule,plan-memory{{{option}}}")
 
 
 def test_partition_uniform_pads_with_empty_layers():
