@@ -49,6 +49,7 @@ from moeplan.layout import Layout, Rejection, check_fixed_degrees, check_layout,
 from moeplan.mechanisms import mechanism
 from moeplan.passes.schedule import schedule_fits
 from moeplan.search_eval import _SHARED, Evaluated, _estimate_all, _estimate_and_evaluate, _lean, _Pool, _shape_tasks
+from moeplan.spec import ModelSpec
 from moeplan.state import Dispatcher, Mechanism, Precision, ScheduleKind, Strategy
 from moeplan.targets import Target
 
@@ -196,10 +197,20 @@ def _cheapest_dispatcher(layout: Layout, graph: ModelGraph, target: Target, cach
     return best  # type: ignore[return-value]
 
 
-def _check_fixed(fixed: Fixed, target: Target, num_devices: int) -> None:
-    """Refuse a device count or fixed degrees that fit no layout (:func:`moeplan.layout.check_fixed_degrees`), and a
-    fixed schedule, dispatcher or mechanism the target's runtime does not execute."""
+def _check_fixed(fixed: Fixed, target: Target, num_devices: int, spec: ModelSpec) -> None:
+    """Refuse a device count or fixed degrees that fit no layout (:func:`moeplan.layout.check_fixed_degrees`), a
+    fixed ep that does not divide the routed experts, a fixed vpp the fixed schedule never runs, and a fixed
+    schedule, dispatcher or mechanism the target's runtime does not execute."""
     check_fixed_degrees(num_devices, tp=fixed.tp, cp=fixed.cp, pp=fixed.pp, ep=fixed.ep)
+    if fixed.ep is not None and spec.num_experts and spec.num_experts % fixed.ep:
+        raise LayoutError(f"ep={fixed.ep}: the routed experts ({spec.num_experts}) must be divisible by ep (each EP "
+                          f"rank holds the same number of {spec.name}'s experts)")
+    if fixed.schedule is not None and fixed.vpp is not None:
+        pp = fixed.pp or 2  # the vpp rules hold for any pp the search could pick (interleaved: pp >= 2)
+        fit = schedule_fits(fixed.schedule, pp=pp, vpp=fixed.vpp, num_microbatches=4 * pp * fixed.vpp)
+        if not fit.fits:
+            given = f"vpp={fixed.vpp}" + (f", pp={fixed.pp}" if fixed.pp else "")
+            raise LayoutError(f"schedule={fixed.schedule!r}: {fit.reason}; given {given}")
     caps = target.runtime
     if ((fixed.dp_shard or 1) > 1 or fixed.search_fsdp) and not caps.fsdp:
         raise LayoutError(f"dp_shard={fixed.dp_shard or 'auto'}: the runtime behind target {target.name} has no FSDP "
@@ -318,7 +329,7 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
     most common reason, with the counts of the others), and InfeasibleError (with the smallest per-device memory
     seen) if every valid layout runs out of memory."""
     check_pipeline(pipeline)
-    _check_fixed(fixed, target, num_devices)
+    _check_fixed(fixed, target, num_devices, graph.spec)
     budget = pipeline_budget(pipeline, target)
     built = build_options(graph=graph, target=target, num_devices=num_devices, fixed=fixed, budget=budget)
     options, rejected, layouts = built.options, built.rejected, built.layouts

@@ -413,7 +413,11 @@ def test_layout_messages_through_the_cli(monkeypatch, capsys):
             (["--devices", 12, "--ep", 7], ["ep=7", "device count (12), which 7 does not divide"]),
             (["--devices", 3, "--tp", 3], ["tp=3: must divide the attention heads (4)", "every one of the"]),
             (["--devices", 16, "--pp", 16, "--tp", 1, "--cp", 1],
-             ["pp=16: pp·vpp = 16 chunks exceed the", "layers"])):
+             ["pp=16: pp·vpp = 16 chunks exceed the", "layers"]),
+            # issue 34: these blamed dp·cp, and "fits none of the 57 layouts"
+            (["--devices", 16, "--ep", 16], ["ep=16: the routed experts (8) must be divisible by ep"]),
+            (["--devices", 8, "--pp", 2, "--vpp", 3, "--schedule", "dualpipev"],
+             ["schedule='dualpipev': dualpipev places two chunks per rank in a V (vpp=2); given vpp=3, pp=2"])):
         assert_one_line(*run(monkeypatch, capsys, "compile", "tiny-pangu", "--target", "cpu", *args), 2, *needles)
     assert_one_line(*run(monkeypatch, capsys, "compile", "tiny-pangu", "--target", "h100:foo", "--devices", 8), 2,
                     "variant='foo': target h100 has no variants")
