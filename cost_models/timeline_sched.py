@@ -19,18 +19,13 @@ _EPS = 1e-12
 def _slowdown_s(start: float, end: float, intervals: list[tuple[float, float, float]]) -> float:
     """Extra seconds of a compute segment over [start, end]: ∫ σ(t) dt, σ(t) the largest slow-down of the
     collectives ``(begin, end, σ)`` in flight at t (``intervals`` pruned of those that ended before start)."""
-    if len(intervals) == 1:  # the common case: one collective in flight, or one that has ended
-        a, b, slow = intervals[0]
-        if b <= start:
-            intervals.clear()
-            return 0.0
-        return slow * max(0.0, min(b, end) - max(a, start))
-    intervals[:] = [iv for iv in intervals if iv[1] > start]
-    if len(intervals) == 1:
-        a, b, slow = intervals[0]
-        return slow * max(0.0, min(b, end) - max(a, start))
+    if len(intervals) != 1 or intervals[0][1] <= start:  # one collective still in flight: nothing to prune
+        intervals[:] = [iv for iv in intervals if iv[1] > start]
     if not intervals:
         return 0.0
+    if len(intervals) == 1:  # the common case
+        a, b, slow = intervals[0]
+        return slow * max(0.0, min(b, end) - max(a, start))
     cuts = sorted({start, end, *(t for a, b, _ in intervals for t in (a, b) if start < t < end)})
     extra = 0.0
     for lo, hi in zip(cuts, cuts[1:]):

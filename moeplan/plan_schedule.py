@@ -61,7 +61,7 @@ def decode_actions(line: str, *, where: str = "schedule.ranks", limit: int | Non
     """The action list of one ``PlanSchedule.ranks`` line, at most ``limit`` actions (checked on the runs' counts
     before any run is expanded). Raises PlanError naming ``where`` and the token on a malformed run or action, or
     the count when the line holds more than ``limit``."""
-    runs: list[tuple[str, list[str], int]] = []
+    runs: list[tuple[list[str], int]] = []
     total = 0
     for m in _RUN.finditer(line):
         block, count, token = m.group(1), m.group(2), m.group(3)
@@ -80,5 +80,5 @@ def decode_actions(line: str, *, where: str = "schedule.ranks", limit: int | Non
         if limit is not None and total > limit:
             raise PlanError(f"{where}: {m.group()[:40]!r} makes the line more than {limit} actions, the most a rank "
                             f"runs per step ({ACTIONS_PER_CHUNK_MICROBATCH} per chunk and micro-batch)")
-        runs.append((m.group(), acts, int(count)))
-    return [_shift(a, r) for _, acts, count in runs for r in range(count) for a in acts]
+        runs.append((acts, int(count)))
+    return [_shift(a, r) for acts, count in runs for r in range(count) for a in acts]

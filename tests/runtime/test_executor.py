@@ -163,8 +163,9 @@ def _run(layouts: dict, devices: int, tmp_path_factory, data_file: str) -> dict[
     return dict(zip(layouts, results[0]))
 
 
-def steps_of(name: str) -> int:
-    return SHORT_STEPS if name in EXTRAS else STEPS
+def steps_of(name: str, extras: set[str] = EXTRAS) -> int:
+    """Steps a parity run trains: SHORT_STEPS for a layout in ``extras``, else STEPS."""
+    return SHORT_STEPS if name in extras else STEPS
 
 
 @pytest.fixture(scope="module")

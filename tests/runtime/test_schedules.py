@@ -24,13 +24,13 @@ from moeplan.search import Fixed
 from moeplan.spec import load_spec
 from moeplan.targets import load_target
 
-from test_executor import LR, METER_EVERY, SHORT_STEPS, STEPS, _assert_close, launch_function
+from test_executor import LR, METER_EVERY, _assert_close, launch_function, steps_of
 
 #: name -> schedule compiled; ``dualpipev_pairs`` is DualPipeV with fb overlap (its OVERLAP_F_B pairs kept),
 #: ``zbv_recompute`` ZB-V with full recompute on PP rank 0 (I and W split) and selective on rank 1 (one-pass I)
 SCHEDULES = {"zero_bubble": "zero-bubble", "zbv": "zbv", "dualpipev": "dualpipev", "dualpipev_pairs": "dualpipev",
              "zbv_recompute": "zbv"}
-#: issue 12 names the three schedules (STEPS steps each); the two variants run SHORT_STEPS (test_executor.EXTRAS)
+#: issue 12 names the three schedules (test_executor.STEPS steps each); the two variants run test_executor.SHORT_STEPS (steps_of)
 EXTRAS = {"dualpipev_pairs", "zbv_recompute"}
 
 
@@ -108,7 +108,7 @@ def runs(plans, tmp_path_factory, data_file) -> dict[str, dict[int, tuple]]:
     for name, plan in plans.items():
         save_plan(plan, folder / f"{name}.yaml")
         paths.append(str(folder / f"{name}.yaml"))
-    results = launch_function(train_and_record, 2, paths, [steps_of(name) for name in plans], data_file)
+    results = launch_function(train_and_record, 2, paths, [steps_of(name, EXTRAS) for name in plans], data_file)
     return {name: {rank: results[rank][i] for rank in results} for i, name in enumerate(plans)}
 
 
@@ -122,11 +122,8 @@ def test_plans_have_the_schedules_and_placements(plans):
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_loss_matches_single_process(runs, reference, name):
-    _assert_close(runs[name][0][0], reference, steps_of(name))
+    _assert_close(runs[name][0][0], reference, steps_of(name, EXTRAS))
 
-
-def steps_of(name: str) -> int:
-    return SHORT_STEPS if name in EXTRAS else STEPS
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
