@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from moeplan.cli_errors import GuardedGroup, Invocation, err, exit_on_error, invocation_of
+from moeplan.cli_errors import GuardedGroup, Invocation, err, exit_on_error, invocation_of, warn
 from moeplan.cli_options import OVERLAP_HELP, PIPELINE_HELP, choice, integer, positive, run_request, strategy_options
 from moeplan.errors import LayoutError
 
@@ -30,6 +30,18 @@ VIEW_PIPE_WIDTH = 200
 Gantt over every column), so they get a fixed width instead; 200 holds the views of the 718B default plan (6144
 Ascend 910B) without a wrapped or truncated cell."""
 out = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else PIPE_WIDTH)
+
+
+def read_model_warning(ref: str):
+    """The ModelSpec of ``ref`` (:func:`moeplan.spec.read_model`); first, on stderr, one warning line naming the
+    keys of a config.json that moeplan does not model."""
+    from moeplan.spec import read_model
+
+    model = read_model(ref)
+    line = model.warning()
+    if line:
+        warn(line)
+    return model.spec
 
 
 @app.command("compile")
@@ -100,7 +112,6 @@ def compile_cmd(
     from moeplan.render import (layout_dict, predicted_dict, render_plan, render_search, search_dict, search_summary,
                                 shape_sources)
     from moeplan.search import Fixed, check_pipeline
-    from moeplan.spec import load_spec
     from moeplan.state import Precision
     from moeplan.targets import load_target
 
@@ -111,7 +122,7 @@ def compile_cmd(
         positive(name, v)
     if output:
         check_output(output)  # before the work: a compile does not end in a refusal to write
-    spec = load_spec(model).with_shape(seq_len=seq_len, global_batch=global_batch)
+    spec = read_model_warning(model).with_shape(seq_len=seq_len, global_batch=global_batch)
     tgt = load_target(target, devices_per_node=devices_per_node, training_dtype=choice(
         "training_dtype", training_dtype, ("bf16", "fp16", "fp32", "fp8")) if training_dtype else None)
     shard = None if dp_shard in (None, "auto") else positive("dp_shard", integer("dp_shard", dp_shard))
@@ -179,6 +190,7 @@ def explore_cmd(
     if verify < 0:
         raise LayoutError(f"verify={verify}: must be >= 0")
     space = load_space(space_path)
+    read_model_warning(space.base)  # the base's ignored keys, before the long work
     tgt = load_target(target)
     folder = Path(out_dir or f"explore-{space.name}")
     if folder.exists() and not folder.is_dir():
@@ -213,10 +225,9 @@ def describe_cmd(model: str = typer.Argument(..., help="registry name, moeplan Y
     """Parameters, FLOPs per token and per-layer-kind costs of MODEL."""
     from moeplan.describe import describe_model
     from moeplan.render_describe import describe_json, render_describe
-    from moeplan.spec import load_spec
 
     positive("seq_len", seq_len)
-    spec = load_spec(model).with_shape(seq_len=seq_len)
+    spec = read_model_warning(model).with_shape(seq_len=seq_len)
     d = describe_model(spec, seq_len=spec.seq_len)
     if as_json:
         out.print_json(json.dumps(describe_json(d)))
@@ -365,7 +376,7 @@ def compare_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="the p
         render_comm_classes(out, comm, title="per comm class, per device and step")
     warning = busy_warning(records, first_step=first_step)
     if warning:  # after the table, where it is read
-        err.print(f"warning: {warning}", markup=False)
+        warn(warning)
 
 
 @app.command("calibrate")

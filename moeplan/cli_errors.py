@@ -40,6 +40,11 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(text.split()))
 
 
+def warn(line: str) -> None:
+    """One warning line on stderr (``warning: ...``), printed as it is (never read as rich markup)."""
+    err.print(f"warning: {one_line(line)}", markup=False)
+
+
 def exit_on_error(e: Exception, invocation: Invocation) -> NoReturn:
     """Report ``e`` (the exception being handled) on stderr as the module docstring says, and exit."""
     if isinstance(e, InfeasibleError):

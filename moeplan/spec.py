@@ -10,6 +10,8 @@ finite, every size within a bound no real model comes near (docs/inputs.md) — 
 from __future__ import annotations
 
 import hashlib
+import re
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Literal
@@ -20,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from moeplan.errors import SpecError, validation_message
 from moeplan.files import read_json, read_yaml
 from moeplan.flops import count_params
+from moeplan.hf_keys import IgnoredKey, ignored_keys, ignored_line
 
 # Bounds no real model comes near; docs/inputs.md gives the reason for each. Above them a model could not be
 # trained on any cluster, and building it on the meta device (moeplan.trace) could overflow PyTorch's int64 sizes.
@@ -152,8 +155,6 @@ class ModelSpec(BaseModel):
     def _check(self) -> "ModelSpec":
         _require(self.num_dense_layers <= self.num_layers, "num_dense_layers", self.num_dense_layers,
                  "must be <= num_layers", f" ({self.num_layers})")
-        _require(self.hidden_size % self.num_heads == 0, "hidden_size", self.hidden_size,
-                 "must be divisible by num_heads", f" ({self.num_heads})")
         if self.num_dense_layers:
             _require(self.dense_ffn_size > 0, "dense_ffn_size", self.dense_ffn_size, "must be > 0 with dense layers")
         if self.attention == "gqa":
@@ -341,6 +342,8 @@ def from_hf_config(cfg: object, *, name: str, seq_len: int, global_batch: int, s
         c = HFConfig.model_validate(cfg)
     except ValidationError as e:
         raise SpecError(validation_message(e.errors()[0], where=f"in {source}")) from None
+    if c.model_type.lower() in SIGMOID_ROUTER_TYPES and c.scoring_func is None:
+        c = c.model_copy(update={"scoring_func": "sigmoid"})
     d: dict = dict(name=name, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
                    num_heads=c.num_attention_heads, rope_theta=_first(c.rope_theta, default=10000.0),
                    norm_eps=_first(c.rms_norm_eps, default=1e-5), tie_embeddings=bool(c.tie_word_embeddings),
@@ -351,10 +354,44 @@ def from_hf_config(cfg: object, *, name: str, seq_len: int, global_batch: int, s
                  qk_nope_head_dim=c.qk_nope_head_dim or 0, qk_rope_head_dim=c.qk_rope_head_dim or 0,
                  v_head_dim=c.v_head_dim or 0)
     else:
+        if c.head_dim is None and c.hidden_size % c.num_attention_heads:
+            raise SpecError(f"hidden_size={c.hidden_size}: must be divisible by num_attention_heads "
+                            f"({c.num_attention_heads}) when head_dim is not given (in {source})",
+                            reason="hidden_size must be divisible by num_attention_heads")
         d.update(attention="gqa", num_kv_heads=_first(c.num_key_value_heads, default=c.num_attention_heads),
                  head_dim=_first(c.head_dim, default=c.hidden_size // c.num_attention_heads))
     d.update(_hf_moe(c, source))
-    return _build(d, source=source)
+    try:
+        return _build(d, source=source)
+    except SpecError as e:  # a rule of ModelSpec: say it in the config's own keys
+        msg = _hf_names(str(e), cfg)
+        raise SpecError(msg if f"in {source}" in msg else f"{msg} (in {source})", reason=e.reason) from None
+
+
+SIGMOID_ROUTER_TYPES = frozenset({"glm4_moe"})
+"""``model_type``s whose router scores with a sigmoid without a ``scoring_func`` key (transformers'
+``Glm4MoeTopkRouter``)."""
+
+HF_KEYS: dict[str, tuple[str, ...]] = {
+    "num_layers": ("num_hidden_layers",), "num_heads": ("num_attention_heads",),
+    "num_kv_heads": ("num_key_value_heads",), "num_dense_layers": ("first_k_dense_replace", "mlp_only_layers"),
+    "dense_ffn_size": ("intermediate_size",), "num_experts": ("n_routed_experts", "num_local_experts", "num_experts"),
+    "top_k": ("num_experts_per_tok", "moe_topk"), "moe_ffn_size": ("moe_intermediate_size", "intermediate_size"),
+    "num_shared_experts": ("n_shared_experts", "num_shared_experts"),
+    "shared_ffn_size": ("shared_expert_intermediate_size", "n_shared_experts"),
+    "num_expert_groups": ("n_group", "num_expert_groups"), "topk_groups": ("topk_group",),
+    "num_mtp_layers": ("num_nextn_predict_layers", "num_mtp_layers"), "norm_eps": ("rms_norm_eps",),
+    "router_scale": ("routed_scaling_factor",), "tie_embeddings": ("tie_word_embeddings",),
+}
+"""ModelSpec field -> the config.json keys it is read from, in the order :func:`from_hf_config` prefers them."""
+
+
+def _hf_names(message: str, cfg: dict) -> str:
+    """``message`` of a ModelSpec rule with each field renamed to the config.json key it came from (the first of
+    :data:`HF_KEYS` the config has), all at once: ``top_k=9: must be in 1..num_experts (8)`` becomes
+    ``num_experts_per_tok=9: must be in 1..n_routed_experts (8)``."""
+    names = {f: next((k for k in keys if k in cfg), keys[0]) for f, keys in HF_KEYS.items()}
+    return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: names[m.group(1)], message)
 
 
 def _hf_moe(c: HFConfig, source: str) -> dict:
@@ -406,8 +443,29 @@ def registry_names() -> list[str]:
     return sorted(_registry())
 
 
+@dataclass(frozen=True)
+class ModelFile:
+    """A model as read: its spec, where it came from (a registry name or a path) and, for a config.json, the keys
+    that change the training step but that moeplan did not read (:mod:`moeplan.hf_keys`)."""
+    spec: ModelSpec
+    source: str
+    ignored: tuple[IgnoredKey, ...] = ()
+
+    def warning(self) -> str | None:
+        """One line naming every ignored key and what leaving it out does to the prediction; None when none."""
+        return ignored_line(self.source, self.ignored) if self.ignored else None
+
+
 def load_spec(ref: str) -> ModelSpec:
-    """Load a ModelSpec from a registry name, a moeplan YAML file or an HF ``config.json``.
+    """Load a ModelSpec from a registry name, a moeplan YAML file or an HF ``config.json`` (:func:`read_model`).
+
+    Raises SpecError: unknown name, unreadable or malformed file, or a spec that breaks a rule.
+    """
+    return read_model(ref).spec
+
+
+def read_model(ref: str) -> ModelFile:
+    """Read a registry name, a moeplan YAML file or an HF ``config.json``: the spec and the config keys it left out.
 
     Raises SpecError: unknown name, unreadable or malformed file, or a spec that breaks a rule.
     """
@@ -416,21 +474,24 @@ def load_spec(ref: str) -> ModelSpec:
         entry = reg[ref]
         root = resources.files("moeplan.examples") / "models"
         with resources.as_file(root / entry["file"]) as p:
-            return _load_file(Path(p), name=ref, seq_len=entry.get("seq_len"), global_batch=entry.get("global_batch"))
+            return _load_file(Path(p), name=ref, seq_len=entry.get("seq_len"), global_batch=entry.get("global_batch"),
+                              source=ref)
     path = Path(ref)
     if path.suffix in (".yaml", ".yml", ".json") and path.exists():
-        return _load_file(path, name=path.stem if path.name != "config.json" else path.parent.name)
+        return _load_file(path, name=path.stem if path.name != "config.json" else path.parent.name, source=ref)
     raise SpecError(f"model={ref!r}: not a registry name ({', '.join(sorted(reg))}) nor an existing "
                     f".yaml/.json file")
 
 
-def _load_file(path: Path, *, name: str, seq_len: int | None = None, global_batch: int | None = None) -> ModelSpec:
+def _load_file(path: Path, *, name: str, source: str, seq_len: int | None = None,
+               global_batch: int | None = None) -> ModelFile:
     read = read_json if path.suffix == ".json" else read_yaml
     data = read(path, field="model", error=SpecError)
     if path.suffix == ".json":
-        return from_hf_config(data, name=name, seq_len=seq_len or 4096, global_batch=global_batch or 1024,
+        spec = from_hf_config(data, name=name, seq_len=seq_len or 4096, global_batch=global_batch or 1024,
                               source=str(path))
+        return ModelFile(spec, source, ignored_keys(data, HFConfig.model_fields.keys()))
     if not isinstance(data, dict):
         raise SpecError(f"model={str(path)!r}: a model YAML must hold a mapping, got {type(data).__name__}")
     data = {"name": name, **data}
-    return _build(data, source=str(path))
+    return ModelFile(_build(data, source=str(path)), source)

@@ -52,8 +52,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, needles):
 
 def test_bad_model_files_exit_2(tmp_path, bad_spec):
     cases = [
-        (bad_spec("h.yaml", TINY_GQA.format(heads=3, kv=1).replace("hidden_size: 64", "hidden_size: 64")),
-         ["hidden_size=64", "divisible by num_heads (3)"]),
+        (bad_spec("h.yaml", TINY_GQA.format(heads=3, kv=2)), ["num_heads=3", "divisible by num_kv_heads (2)"]),
         (bad_spec("y.yaml", "vocab_size: [256\n"), ["malformed YAML"]),
         (bad_spec("config.json", '{"hidden_size": 64,'), ["malformed JSON"]),
     ]

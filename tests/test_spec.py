@@ -1,9 +1,16 @@
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 from moeplan.errors import SpecError
-from moeplan.spec import from_hf_config, load_spec, registry_names
+from moeplan.hf_keys import IgnoredKey, ignored_keys, ignored_line
+from moeplan.plan import load_plan
+from moeplan.spec import HFConfig, from_hf_config, load_spec, read_model, registry_names
+
+sys.path.insert(0, str(Path(__file__).parent))
+from inprocess import run_moeplan  # noqa: E402
 
 
 def test_registry_loads_every_entry():
@@ -38,13 +45,82 @@ def test_hf_families(cfg, expect):
     assert (s.attention, s.num_dense_layers, s.num_experts, s.top_k, s.shared_ffn_size, s.router) == expect
 
 
-def test_hidden_not_divisible_by_heads(tmp_path):
-    bad = tmp_path / "m.yaml"
-    bad.write_text("vocab_size: 256\nhidden_size: 65\nnum_layers: 2\nnum_dense_layers: 2\n"
-                   "dense_ffn_size: 128\nattention: gqa\nnum_heads: 4\nnum_kv_heads: 2\nhead_dim: 16\n"
-                   "seq_len: 64\nglobal_batch: 8\n")
-    with pytest.raises(SpecError, match=r"hidden_size=65: must be divisible by num_heads \(4\)"):
-        load_spec(str(bad))
+def test_hidden_need_not_divide_by_heads_when_head_dim_is_given(tmp_path):
+    yaml_file = tmp_path / "m.yaml"
+    yaml_file.write_text("vocab_size: 256\nhidden_size: 65\nnum_layers: 2\nnum_dense_layers: 2\n"
+                         "dense_ffn_size: 128\nattention: gqa\nnum_heads: 4\nnum_kv_heads: 2\nhead_dim: 16\n"
+                         "seq_len: 64\nglobal_batch: 8\n")
+    assert load_spec(str(yaml_file)).head_dim == 16
+    cfg = {"vocab_size": 256, "hidden_size": 65, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 128}
+    assert from_hf_config({**cfg, "head_dim": 16}, name="x", seq_len=64, global_batch=8).head_dim == 16
+    with pytest.raises(SpecError, match=r"^hidden_size=65: must be divisible by num_attention_heads \(4\) when "
+                                        r"head_dim is not given \(in m/config.json\)$"):
+        from_hf_config(cfg, name="x", seq_len=64, global_batch=8, source="m/config.json")
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+
+@pytest.mark.parametrize("name, total_b, activated_b, head_dim, layers, dense, experts", [
+    ("glm-4.5-air", 106.85, 12.80, 128, 46, 1, 128),  # published: 106B total, 12B activated
+    ("glm-4.5", 352.80, 32.85, 128, 92, 3, 160),  # published: 355B total, 32B activated
+    ("gpt-oss-120b", 116.79, 5.13, 64, 36, 0, 128),  # published: 116.8B total, 5.1B activated
+])
+def test_configs_that_state_head_dim_load(name, total_b, activated_b, head_dim, layers, dense, experts):
+    from moeplan.flops import count_params
+
+    s = load_spec(str(FIXTURES / name / "config.json"))
+    assert (s.head_dim, s.num_layers, s.num_dense_layers, s.num_experts) == (head_dim, layers, dense, experts)
+    assert s.num_heads * s.head_dim != s.hidden_size  # the rule that refused them does not apply
+    pc = count_params(s)
+    assert round(pc.total / 1e9, 2) == total_b and round((pc.activated - pc.output) / 1e9, 2) == activated_b
+    assert s.router == ("sigmoid" if name.startswith("glm") else "softmax")  # Glm4MoeTopkRouter: sigmoid, no key
+
+
+def test_ignored_keys_are_named_with_their_effect():
+    gpt = read_model(str(FIXTURES / "gpt-oss-120b" / "config.json"))
+    assert [k.key for k in gpt.ignored] == ["attention_bias", "layer_types", "quantization_config", "sliding_window",
+                                           "swiglu_limit", "model_type=gpt_oss"]
+    assert all(k.effect for k in gpt.ignored)
+    line = gpt.warning()
+    assert "\n" not in line and line.startswith(f"{FIXTURES / 'gpt-oss-120b' / 'config.json'}: moeplan does not "
+                                               f"model 6 keys: attention_bias (q/k/v biases are not counted")
+    assert "layer_types, sliding_window (every layer is priced as full causal attention" in line
+    glm = read_model(str(FIXTURES / "glm-4.5-air" / "config.json"))  # use_qk_norm: false leaves nothing out
+    assert [k.key for k in glm.ignored] == ["attention_bias", "partial_rotary_factor"]
+    cfg = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 128, "sliding_window": 4096, "use_sliding_window": False, "attention_bias": False,
+           "hidden_act": "silu", "torch_dtype": "bfloat16", "frobnicate": 3}
+    assert ignored_keys(cfg, HFConfig.model_fields.keys()) == (IgnoredKey("frobnicate", None),)
+    assert "frobnicate (unknown to moeplan: its effect is not known)" in ignored_line("c.json", (IgnoredKey(
+        "frobnicate", None),))
+    for name in registry_names():  # the shipped configs: every key is read or has no effect
+        assert read_model(name).warning() is None, name
+
+
+def test_hf_rule_errors_name_the_configs_keys_and_file():
+    cfg = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 3, "intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 9,
+           "moe_intermediate_size": 32}
+    with pytest.raises(SpecError, match=r"^num_experts_per_tok=9: must be in 1..n_routed_experts \(8\) \(in c.json\)$"):
+        from_hf_config({**cfg, "num_key_value_heads": 2}, name="x", seq_len=64, global_batch=8, source="c.json")
+    with pytest.raises(SpecError, match=r"^num_attention_heads=4: must be divisible by num_key_value_heads \(3\) "
+                                        r"\(in c.json\)$"):
+        from_hf_config({**cfg, "num_experts_per_tok": 2}, name="x", seq_len=64, global_batch=8, source="c.json")
+
+
+def test_the_cli_prints_the_ignored_keys_once_and_glm_air_compiles(tmp_path):
+    gpt = FIXTURES / "gpt-oss-120b" / "config.json"
+    proc = run_moeplan("describe", gpt)
+    assert proc.returncode == 0 and proc.stderr.splitlines() == [f"warning: {read_model(str(gpt)).warning()}"]
+    air = FIXTURES / "glm-4.5-air" / "config.json"
+    # the layout the default search picks for 128 H100 (it searches 5061 layouts in about 9 s); fixed here
+    proc = run_moeplan("compile", air, "--target", "h100", "--devices", "128", "--tp", "2", "--pp", "2", "--vpp",
+                       "2", "--ep", "8", "-o", tmp_path / "air.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[0].startswith(f"warning: {air}: moeplan does not model 2 keys: attention_bias")
+    assert load_plan(tmp_path / "air.yaml").model.spec.head_dim == 128
 
 
 @pytest.mark.parametrize("text, match", [
@@ -76,7 +152,8 @@ def test_with_shape_validates():
 
 
 def test_moge_needs_divisible_topk():
-    with pytest.raises(SpecError, match=r"top_k=3: MoGE needs top_k divisible by num_expert_groups \(4\)"):
+    with pytest.raises(SpecError, match=r"^num_experts_per_tok=3: MoGE needs num_experts_per_tok divisible by "
+                                            r"num_expert_groups \(4\) \(in config.json\)$"):
         from_hf_config({"model_type": "pangu_pro_moe", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 2,
                         "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
                         "num_experts_per_tok": 3, "moe_intermediate_size": 16, "num_expert_groups": 4},
