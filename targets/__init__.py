@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
 
 from moeplan.errors import TargetError, validation_message
 from moeplan.files import read_yaml
@@ -198,14 +198,14 @@ class RuntimeSupport(BaseModel):
     (Megatron-LM's and MindSpeed's zero-bubble split); ``whole-backward``, the stage's backward traversed again
     w.r.t. the parameters, dX kernels included (moeplan's executor: eager autograd cannot run the dW half alone
     without its graph walk, docs/runtime.md), so W costs about a B."""
-    fsdp: bool = True
+    fsdp: StrictBool = True
     """Whether the runtime shards parameters with FSDP (ZeRO-3): torchtitan's FSDP2 and Megatron-LM's Megatron-FSDP
     do; moeplan's own runtime does not (ZeRO-1 only)."""
-    grad_shard_copy: bool = False
+    grad_shard_copy: StrictBool = False
     """Whether the optimizer keeps an fp32 copy of its gradient shard beside the gradients (moeplan's
     ``DistributedAdamW``: ``FlatParams.grad``, 4 bytes per parameter of the shard; Megatron-LM's shard is a view of
     its gradient buffer)."""
-    norm_weight_shard: bool = False
+    norm_weight_shard: StrictBool = False
     """Whether the optimizer keeps a per-element fp32 weight for the global gradient norm (moeplan's
     ``DistributedAdamW``: ``FlatParams.norm_weight``, 4 bytes per parameter of the shard)."""
     master_copy: Literal["narrower", "always"] = "narrower"
