@@ -14,9 +14,9 @@ import sys
 from typing import Optional
 
 import typer
-from rich.console import Console
 
-from moeplan.cli_errors import GuardedGroup, Invocation, err, exit_on_error, invocation_of, warn
+from moeplan.cli_errors import (GuardedGroup, Invocation, StdoutConsole, err, exit_on_broken_pipe, exit_on_error,
+                                invocation_of, warn)
 from moeplan.cli_options import OVERLAP_HELP, PIPELINE_HELP, choice, integer, positive, run_request, strategy_options
 from moeplan.errors import LayoutError
 
@@ -29,7 +29,7 @@ VIEW_PIPE_WIDTH = 200
 """Columns of ``inspect`` off a terminal (COLUMNS not set): its views stretch to the console (expanding tables, a
 Gantt over every column), so they get a fixed width instead; 200 holds the views of the 718B default plan (6144
 Ascend 910B) without a wrapped or truncated cell."""
-out = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else PIPE_WIDTH)
+out = StdoutConsole(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else PIPE_WIDTH)
 
 
 def read_model_warning(ref: str):
@@ -444,7 +444,7 @@ def inspect_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="a pla
 
     plan = load_plan(plan_path)
     if static or not sys.stdout.isatty():
-        print_static(Console(width=VIEW_PIPE_WIDTH) if out.width == PIPE_WIDTH else out, plan)
+        print_static(StdoutConsole(width=VIEW_PIPE_WIDTH) if out.width == PIPE_WIDTH else out, plan)
         return
     from moeplan.tui import InspectApp
 
@@ -538,6 +538,8 @@ def main() -> None:
     atexit.register(gc.freeze)
     try:
         app()
+    except BrokenPipeError:
+        exit_on_broken_pipe()
     except Exception as e:
         exit_on_error(e, invocation_of(e))
 

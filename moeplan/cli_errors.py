@@ -14,6 +14,7 @@ a command, on its way to :func:`moeplan.cli.main`, which reports it (:func:`exit
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import NoReturn, Optional
@@ -43,6 +44,28 @@ def one_line(text: str) -> str:
 def warn(line: str) -> None:
     """One warning line on stderr (``warning: ...``), printed as it is (never read as rich markup)."""
     err.print(f"warning: {one_line(line)}", markup=False)
+
+
+BROKEN_PIPE_EXIT = 141
+"""Exit code when stdout's reader went away (``moeplan describe X | head -1``): 128 + SIGPIPE, what a shell reports
+for a program that a closed pipe stopped."""
+
+
+def exit_on_broken_pipe() -> NoReturn:
+    """Stop quietly because stdout's reader closed the pipe: nothing on stderr, exit :data:`BROKEN_PIPE_EXIT`; stdout
+    is pointed at /dev/null first, so that the interpreter's last flush does not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(BROKEN_PIPE_EXIT)
+
+
+class StdoutConsole(Console):
+    """The console of a command's output: a reader that closes the pipe ends the command by
+    :func:`exit_on_broken_pipe` (rich's own handler exits 1, the code of a bug)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        exit_on_broken_pipe()
 
 
 def exit_on_error(e: Exception, invocation: Invocation) -> NoReturn:
@@ -82,6 +105,8 @@ class GuardedGroup(TyperGroup):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:  # a write outside the console: before click, which turns it into exit 1
+            exit_on_broken_pipe()
         except Exception as e:
             if isinstance(ctx.obj, Invocation) and not hasattr(e, _INVOCATION):
                 setattr(e, _INVOCATION, ctx.obj)

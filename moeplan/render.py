@@ -211,17 +211,29 @@ def models_rows() -> list[dict]:
 
 
 def render_models(console: Console, rows: list[dict]) -> None:
-    """The table of :func:`models_rows`."""
-    t = Table(title="models (registry names; a moeplan YAML or an HF config.json path works too)")
-    for col in ("name", "file", "attention", "layers (dense)", "hidden", "experts", "MTP", "seq_len",
-                "global batch"):
-        t.add_column(col, justify="left" if col in ("name", "file", "attention") else "right")
+    """The table of :func:`models_rows`; below 120 columns without the file column (``--json`` has it), with short
+    headers and no box, so that the rows fit 80 columns with every name whole."""
+    from rich import box
+
+    wide = console.width >= 120
+    t = Table(title="models (registry names; a moeplan YAML or an HF config.json path works too)",
+              box=box.HEAVY_HEAD if wide else None, pad_edge=wide, padding=(0, 1))
+    t.add_column("name", no_wrap=True, min_width=max((len(r["name"]) for r in rows), default=4))  # what one types
+    if wide:
+        t.add_column("file", overflow="fold")
+    heads = (("attention", "layers (dense)", "hidden", "experts", "MTP", "seq_len", "global batch") if wide else
+             ("attn", "layers", "hidden", "experts", "MTP", "seq", "batch"))
+    for col in heads:
+        t.add_column(col, justify="left" if col in ("attention", "attn") else "right", no_wrap=not wide)
     for r in rows:
-        experts = f"{r['experts']} top-{r['top_k']}" + (f" +{r['shared_experts']} shared" if r["shared_experts"]
-                                                        else "") if r["experts"] else "dense"
-        t.add_row(r["name"], r["file"], r["attention"], f"{r['layers']} ({r['dense_layers']})",
+        experts = f"{r['experts']} top-{r['top_k']}" + (f" +{r['shared_experts']}" + " shared" * wide
+                                                        if r["shared_experts"] else "") if r["experts"] else "dense"
+        t.add_row(r["name"], *([r["file"]] if wide else []), r["attention"], f"{r['layers']} ({r['dense_layers']})",
                   str(r["hidden_size"]), experts, str(r["mtp_layers"]), str(r["seq_len"]), str(r["global_batch"]))
     console.print(t)
+    if not wide:
+        console.print("layers: decoder layers (dense ones); experts: routed, top-k, +shared; seq: tokens; batch: "
+                      "sequences")
 
 
 def targets_rows() -> list[dict]:

@@ -119,6 +119,32 @@ def test_version_models_and_targets():
     assert "ascend-910b:376t *" in table and "h800 " in table and "h800 *" not in table
 
 
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    """``moeplan describe X | head -1``: the closed pipe stops the command with 141 (128 + SIGPIPE, as a shell
+    reports it) and nothing on stderr, not exit 1 (a bug) from rich's or click's own handler."""
+    from moeplan.cli_errors import BROKEN_PIPE_EXIT
+
+    proc = subprocess.Popen([sys.executable, "-m", "moeplan.cli", "describe", "tiny-pangu"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the command writes: it imports torch first
+    _, stderr = proc.communicate(timeout=120)
+    assert (proc.returncode, stderr) == (BROKEN_PIPE_EXIT, "")
+
+
+def test_models_fit_80_columns_with_every_name_whole():
+    from moeplan.render import models_rows, render_models
+
+    rows = models_rows()
+    for width in (80, 200):
+        buf = io.StringIO()
+        render_models(Console(file=buf, width=width), rows)
+        lines = buf.getvalue().splitlines()
+        assert max(map(len, lines)) <= width
+        names = [line.split()[0].strip("│┃") or line.split()[1] for line in lines if line.strip()]
+        assert set(registry_names()) <= set(names), width
+        assert ("deepseek-v3/config.json" in buf.getvalue()) == (width >= 120)  # the file column, when it fits
+
+
 def test_describe_of_a_dense_model_says_so(tmp_path):
     from moeplan.describe import describe_model
     from moeplan.render_describe import human, render_describe
