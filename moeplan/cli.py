@@ -389,9 +389,10 @@ def calibrate_cmd(target: str = typer.Option("cpu", "--target", help="base targe
     """Measure this machine (matmul, elementwise, per-op overhead, gloo α–β) and write a calibrated cpu target."""
     from pathlib import Path
 
+    from moeplan.calibrate import (calibrate, calibrated_target, fit_launch_scale, fit_summary, scaled_target,
+                                   write_target)
     from moeplan.errors import TargetError
-    from moeplan.calibrate import (calibrate, calibrated_target, fit_launch_scale, fit_summary,
-                                           scaled_target, write_target)
+    from moeplan.files import check_output
     from moeplan.spec import load_spec
     from moeplan.targets import load_target
 
@@ -399,6 +400,7 @@ def calibrate_cmd(target: str = typer.Option("cpu", "--target", help="base targe
     if base.backend != "cpu":
         raise TargetError(f"target={target!r}: calibrate measures this machine's CPU; choose a cpu target")
     spec = load_spec(fit_model) if fit_model else None
+    check_output(output)  # before a minute of measuring
     cal = calibrate()
     tgt = calibrated_target(base, cal, name=name or Path(output).stem)
     fit = fit_launch_scale(spec, tgt) if spec is not None else None
@@ -457,9 +459,13 @@ def timeline_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="a pl
                  png: Optional[str] = typer.Option(None, "--png", help="also draw the Gantt and memory PNG here")
                  ) -> None:
     """Write PLAN's simulated step as a trace for ui.perfetto.dev or chrome://tracing (docs/timeline.md)."""
+    from moeplan.files import check_output
     from moeplan.gantt import write_timeline
     from moeplan.plan import load_plan
 
+    check_output(output)  # both before either is written: every output or none
+    if png:
+        check_output(png, field="png")
     st = write_timeline(load_plan(plan_path), output, png)
     out.print(f"{len(st.slices):,} events on {sum(map(len, st.tracks))} tracks of {len(st.tracks)} PP ranks, step "
               f"{st.step_s * 1e3:,.3f} ms: {output}" + (f"; Gantt: {png}" if png else ""), soft_wrap=True)

@@ -74,6 +74,22 @@ def plan(tmp_path_factory) -> Path:
     return path
 
 
+def test_outputs_are_checked_before_the_work(plan, tmp_path, monkeypatch):
+    """``timeline -o X --png nodir/g.png`` wrote X, then refused the PNG; ``calibrate -o nodir/t.yaml`` measured
+    for a minute, then refused to write. Both now refuse first: every output or none."""
+    trace = tmp_path / "t.json"
+    proc = run_moeplan("timeline", plan, "-o", trace, "--png", tmp_path / "nodir" / "g.png")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "png=" in proc.stderr, proc.stderr
+    assert not trace.exists()
+
+    def measure():
+        raise AssertionError("calibrate measured before checking its output")
+
+    monkeypatch.setattr("moeplan.calibrate.calibrate", measure)
+    proc = run_moeplan("calibrate", "-o", tmp_path / "nodir" / "t.yaml")
+    assert proc.returncode == 2 and "output=" in proc.stderr and "does not exist" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("options, says", [
     (["--metrics", "{plan}"], "metrics='{plan}': is the plan file of this run"),
     (["--metrics", "{dir}/nodir/m.jsonl"], "does not exist"),
