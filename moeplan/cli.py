@@ -32,6 +32,11 @@ Ascend 910B) without a wrapped or truncated cell."""
 out = StdoutConsole(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else PIPE_WIDTH)
 
 
+PRODUCTION_METER_EVERY = 100
+"""``--meter-every`` of a run under torchrun (or the command printed for one) when not given: the meter's hooks slow
+the steps they measure, so a production run measures its first step and one in 100 after it."""
+
+
 def read_model_warning(ref: str):
     """The ModelSpec of ``ref`` (:func:`moeplan.spec.read_model`); first, on stderr, one warning line naming the
     keys of a config.json that moeplan does not model."""
@@ -279,8 +284,10 @@ def run_cmd(
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate"),
     timeout: float = typer.Option(60.0, "--timeout", help="collective timeout, seconds"),
     devices: Optional[int] = typer.Option(None, "--devices", help="refuse the plan unless it is for this many"),
-    meter_every: int = typer.Option(1, "--meter-every", help="measure saved activations and in-layer collectives "
-                                                             "every K steps (their hooks slow those steps)"),
+    meter_every: Optional[int] = typer.Option(
+        None, "--meter-every", help="measure saved activations and in-layer collectives every K steps, the first "
+                                    "included (their hooks slow those steps; default: every step of a local cpu "
+                                    f"run, every {PRODUCTION_METER_EVERY}th under torchrun)"),
     print_command: bool = typer.Option(False, "--print-command", help="print the torchrun command to run on every "
                                                                       "node instead of launching (cpu plans too)"),
     force_balanced_routing: bool = typer.Option(False, "--force-balanced-routing",
@@ -304,10 +311,13 @@ def run_cmd(
 
     for name, v in (("steps", steps), ("devices", devices), ("meter_every", meter_every)):
         positive(name, v)
+    plan = load_plan(plan_path)
+    if meter_every is None:  # a production run (torchrun, cuda/npu) pays the meter's hooks on one step in 100
+        production = print_command or under_torchrun() or plan.target.backend != "cpu"
+        meter_every = PRODUCTION_METER_EVERY if production else 1
     request = run_request(plan_path, steps=steps, metrics=metrics, data=data, checkpoint_every=checkpoint_every,
                           checkpoint_dir=checkpoint_dir, resume=resume, seed=seed, lr=lr, timeout=timeout,
                           meter_every=meter_every, force_balanced_routing=force_balanced_routing, no_pin=no_pin)
-    plan = load_plan(plan_path)
     if devices is not None and devices != plan.layout.num_devices:
         raise PlanError(f"layout.num_devices={plan.layout.num_devices}: the plan is not for --devices {devices}")
     if resume:  # refused here in one line, not by a traceback per rank (under torchrun too)

@@ -126,9 +126,15 @@ def test_cuda_plan_prints_the_torchrun_command(pp2, monkeypatch, capsys):
     from moeplan.runtime.launch import torchrun_command
     from moeplan.runtime.request import RunRequest
 
-    want = torchrun_command(load_plan(path), RunRequest(plan=path, steps=7, seed=3))
+    from moeplan.cli import PRODUCTION_METER_EVERY
+
+    want = torchrun_command(load_plan(path), RunRequest(plan=path, steps=7, seed=3,
+                                                        meter_every=PRODUCTION_METER_EVERY))
     assert want.startswith("torchrun --nnodes 1 --nproc-per-node 2 ") and "-m moeplan.cli run" in want
     assert "--steps 7" in want and "--seed 3" in want and want in stdout.replace("\n", "")
+    assert want.endswith(" --meter-every 100")  # the meter's hooks slow one production step in 100, not every one
+    code, _, stdout = run_in_process(monkeypatch, capsys, "run", path, "--steps", "7", "--meter-every", "1")
+    assert code == 0 and stdout.replace("\n", "").endswith(" --meter-every 1")  # asked for: kept
 
 
 def test_run_request_is_spelled_as_moeplan_run_options():
