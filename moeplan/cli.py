@@ -370,7 +370,7 @@ def compare_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="the p
     busy with other work during the measured steps."""
     from moeplan.plan import load_plan
     from moeplan.runtime.compare import (busy_warning, comm_class_rows, compare, measured_window, read_records,
-                                         render_comm_classes, render_rows, rows_json)
+                                         render_comm_classes, render_rows, rows_json, uncalibrated_warning)
 
     positive("first_step", first_step)
     plan = load_plan(plan_path)
@@ -384,9 +384,9 @@ def compare_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="the p
         render_rows(out, rows, title=f"{plan.model.name} · {plan.target.name} · predicted vs measured "
                                      f"(median of steps {window[0].step}..{window[-1].step})")
         render_comm_classes(out, comm, title="per comm class, per device and step")
-    warning = busy_warning(records, first_step=first_step)
-    if warning:  # after the table, where it is read
-        warn(warning)
+    for warning in (busy_warning(records, first_step=first_step), uncalibrated_warning(plan, rows)):
+        if warning:  # after the table, where it is read
+            warn(warning)
 
 
 @app.command("calibrate")

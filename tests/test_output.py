@@ -203,6 +203,21 @@ def test_busy_machine_warning(pp2_plan):
     assert busy_warning(_records(pp2_plan, busy=1.0, host=False)) is None  # metrics without host figures
 
 
+def test_compare_points_at_calibrate_when_a_shipped_cpu_target_is_far_off(pp2_plan):
+    from moeplan.runtime.compare import Row, uncalibrated_warning
+
+    predicted = pp2_plan.prediction.step_time_s
+    far = [Row("step time", "s", predicted, 17.5 * predicted)]
+    assert uncalibrated_warning(pp2_plan, far) == (
+        "the measured step is 17.5x the predicted one, and the plan's target 'cpu' holds the shipped figures, not "
+        "this machine's: run `moeplan calibrate -o mine.yaml`, then compile with `--target mine.yaml` "
+        "(docs/runtime.md)")
+    assert uncalibrated_warning(pp2_plan, [Row("step time", "s", predicted, 1.5 * predicted)]) is None  # near
+    calibrated = pp2_plan.model_copy(update={"target": pp2_plan.target.model_copy(
+        update={"cube_flops": 2 * pp2_plan.target.cube_flops})})  # a calibrate output saved as cpu.yaml
+    assert uncalibrated_warning(calibrated, far) is None
+
+
 def test_compare_cli_prints_the_warning_on_stderr(pp2_plan, tmp_path):
     from moeplan.plan import save_plan
 

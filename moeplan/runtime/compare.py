@@ -332,6 +332,33 @@ def comm_class_rows(plan: Plan, records: list[StepRecord], *, first_step: int | 
     return rows
 
 
+UNCALIBRATED_RATIO = 2.0
+"""Measured / predicted step time (or its inverse) above which ``compare`` of a plan compiled for a shipped cpu target
+points at ``moeplan calibrate``: the shipped figures are one machine's, and another machine may differ several-fold."""
+
+
+def uncalibrated_warning(plan: Plan, rows: list[Row]) -> str | None:
+    """One line when the measured step is off the prediction by more than :data:`UNCALIBRATED_RATIO` either way and
+    the plan's target is a shipped cpu target as shipped (not a ``moeplan calibrate`` output): the likely cause and
+    the fix; None otherwise."""
+    from moeplan.targets import load_target, target_names
+
+    step = next(r for r in rows if r.quantity == "step time")
+    if plan.target.backend != "cpu" or plan.target.name not in target_names() or not step.predicted \
+            or step.measured is None:
+        return None
+    if plan.target != load_target(plan.target.name, variant=plan.target.variant,
+                                  devices_per_node=plan.target.devices_per_node,
+                                  training_dtype=plan.target.training_dtype):
+        return None  # a calibrated target, saved under a shipped name
+    ratio = step.measured / step.predicted
+    if 1 / UNCALIBRATED_RATIO <= ratio <= UNCALIBRATED_RATIO:
+        return None
+    return (f"the measured step is {ratio:.1f}x the predicted one, and the plan's target {plan.target.name!r} holds "
+            f"the shipped figures, not this machine's: run `moeplan calibrate -o mine.yaml`, then compile with "
+            f"`--target mine.yaml` (docs/runtime.md)")
+
+
 def busy_warning(records: list[StepRecord], *, first_step: int | None = None) -> str | None:
     """One line when rank 0's machine was busy with other work during the compared steps (see the module docstring
     for the measure and ``BUSY_SHARE`` for the threshold), or when the run had more ranks than CPUs there; None when
