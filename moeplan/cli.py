@@ -14,6 +14,7 @@ import sys
 from typing import Optional
 
 import typer
+from rich.text import Text
 
 from moeplan.cli_errors import (GuardedGroup, Invocation, StdoutConsole, err, exit_on_broken_pipe, exit_on_error,
                                 invocation_of, warn)
@@ -259,7 +260,7 @@ def simulate_cmd(plan_path: str = typer.Argument(..., metavar="PLAN", help="a pl
         return
     out.print(f"step {p.step_time_s:.3f} s (plan says {plan.prediction.step_time_s:.3f} s) · "
               f"{p.tokens_per_s:,.0f} tokens/s · MFU {p.mfu:.1%} · bubble {p.bubble:.2%}")
-    out.print(f"[dim]{MFU_DEFINITION}[/]")
+    out.print(Text(MFU_DEFINITION, style="dim"))
 
 
 @app.command("schema")

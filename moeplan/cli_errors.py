@@ -60,8 +60,13 @@ def exit_on_broken_pipe() -> NoReturn:
 
 
 class StdoutConsole(Console):
-    """The console of a command's output: a reader that closes the pipe ends the command by
-    :func:`exit_on_broken_pipe` (rich's own handler exits 1, the code of a bug)."""
+    """The console of a command's output. Strings print as they are, never as rich markup: names, labels and reasons
+    come from the user's files (a model named ``[/oops]`` raised rich's MarkupError), so styles are given as
+    :class:`rich.text.Text`. A reader that closes the pipe ends the command by :func:`exit_on_broken_pipe` (rich's
+    own handler exits 1, the code of a bug)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**{"markup": False, **kwargs})
 
     def on_broken_pipe(self) -> None:
         self.quiet = True

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 if TYPE_CHECKING:  # imported where used: `moeplan models` and `targets` need neither
     from moeplan.plan import Plan
@@ -121,11 +122,11 @@ def render_plan(console: Console, plan: Plan, sources: dict[str, str] | None = N
     from moeplan.plan import MEMORY_TERMS, MFU_DEFINITION
 
     lay, pred = plan.layout, plan.prediction
-    console.print(f"[bold]{plan.model.name}[/] on {lay.num_devices} × {plan.target.name}"
+    console.print(Text.assemble((plan.model.name, "bold"), f" on {lay.num_devices} × {plan.target.name}"
                   f"{':' + plan.target.variant if plan.target.variant else ''} — "
                   f"tp {lay.tp} · pp {lay.pp} · vpp {lay.vpp} · ep {lay.ep} · etp {lay.etp} · cp {lay.cp} · "
                   f"dp {lay.dp} · micro-batch {lay.micro_batch} · {plural(lay.num_microbatches, 'micro-batch')} of "
-                  f"{lay.global_batch} × {lay.seq_len}")
+                  f"{lay.global_batch} × {lay.seq_len}"))
     if sources:
         console.print(f"global batch {lay.global_batch} sequences from the {sources['global_batch']}; seq_len "
                       f"{lay.seq_len} tokens from the {sources['seq_len']}", markup=False)
@@ -148,7 +149,7 @@ def render_plan(console: Console, plan: Plan, sources: dict[str, str] | None = N
             st.add_row(str(r), str(c), str(plan.stages.stage_of(r, c)), compact(names),
                        f"{plan.stages.chunk_time_s[r][c] * 1e3:.1f} ms")
     console.print(st)
-    console.print(f"[dim]{plan.stages.reason}[/]")
+    console.print(Text(plan.stages.reason, style="dim"))
     budget = plan.memory.budget_bytes
     unit, scale = ("GiB", GIB) if budget >= GIB else ("MiB", 2**20)  # the cpu emulator's budgets are MiB
     mt = Table(title=f"memory per device, {unit} (budget {budget / scale:.1f} {unit}; "

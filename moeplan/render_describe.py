@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from moeplan.describe import ModelDescription
 from moeplan.render import plural
@@ -39,8 +40,8 @@ def render_describe(console: Console, spec: ModelSpec, d: ModelDescription) -> N
            + (f" + {plural(spec.num_shared_experts, 'shared expert')}" if spec.num_shared_experts else "")
            if spec.num_experts else "dense FFN, no experts")
     mtp = plural(spec.num_mtp_layers, "MTP module") if spec.num_mtp_layers else "no MTP"
-    console.print(f"[bold]{d.name}[/] — {spec.attention.upper()} attention, {spec.num_layers} layers "
-                  f"({spec.num_dense_layers} dense), {ffn}, {mtp}, seq_len {d.seq_len} tokens")
+    console.print(Text.assemble((d.name, "bold"), f" — {spec.attention.upper()} attention, {spec.num_layers} layers "
+                                f"({spec.num_dense_layers} dense), {ffn}, {mtp}, seq_len {d.seq_len} tokens"))
     console.print(f"parameters: {human(d.params_total)} total, {human(d.params_activated)} activated "
                   f"({human(d.params_activated_one_vocab)} counting one vocab matrix)"
                   + (f", MTP {human(d.params_mtp)} more" if spec.num_mtp_layers else ""))

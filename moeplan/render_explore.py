@@ -9,6 +9,7 @@ from typing import Iterator
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from moeplan.explore import SHORT_NAMES, ExploreResult, pareto
 from moeplan.layout import Layout
@@ -68,8 +69,9 @@ def render_explore(console: Console, result: ExploreResult, top: int) -> None:
                   f"{s.step_s:.3f}", f"{s.tokens_per_s:,.0f}", f"{s.mfu:.1%}",
                   f"{s.memory_bytes / GIB:.1f}" + ("" if s.fits else " !"), full, gap)
     console.print(t)
-    console.print(f"[dim]{', '.join(f'{SHORT_NAMES[n]}: {n}' for n in varied)}; layout tp-pp-vpp-ep-cp-mb; GiB: "
-                  f"the screen's memory estimate (! over the device); gap: screened step / full step - 1[/]")
+    console.print(Text(f"{', '.join(f'{SHORT_NAMES[n]}: {n}' for n in varied)}; layout tp-pp-vpp-ep-cp-mb; GiB: "
+                       f"the screen's memory estimate (! over the device); gap: screened step / full step - 1",
+                       style="dim"))
     rej = ", ".join(f"{n} {r}" for r, n in result.archs.rejected.most_common(3))
     no_layout = sum(s.status != "ok" for s in result.screened)
     console.print(f"{result.archs.combinations:,} combinations, {len(kept):,} meet the constraints"

@@ -30,6 +30,13 @@ CLASS_STYLES = {"tp": "bright_magenta", "ep": "bright_red", "cp": "bright_yellow
 LABEL_WIDTH = 13  # columns of the lane names left of the Gantt
 
 
+class PlainTable(Table):
+    """A rich Table whose str cells are plain text, never markup: a plan's names, labels and reasons are the
+    user's text (a model named ``[/oops]`` broke ``inspect`` with rich's MarkupError)."""
+
+    def add_row(self, *renderables, **kw) -> None:
+        super().add_row(*(Text(r) if isinstance(r, str) else r for r in renderables), **kw)
+
 def fmt_s(x: float) -> str:
     """Seconds as ``1.234 s``, ``12.3 ms`` or ``45 µs``."""
     if x == 0 or abs(x) >= 1:
@@ -68,7 +75,7 @@ def overview(plan: Plan) -> Group:
     HFU, bubble, peak memory per PP rank against the budget, exposed communication per class)."""
     lay, pred, tgt = plan.layout, plan.prediction, plan.target
     params = count_params(plan.model.spec)
-    t = Table(title="plan", show_header=False, title_justify="left", expand=True)
+    t = PlainTable(title="plan", show_header=False, title_justify="left", expand=True)
     t.add_column(style="bold", no_wrap=True)
     t.add_column()
     t.add_row("model", f"{plan.model.name} · {_params(params.total)} parameters, {_params(params.activated)} "
@@ -85,7 +92,7 @@ def overview(plan: Plan) -> Group:
     t.add_row("schedule", plan.schedule.kind)
     t.add_row("dispatcher", plan.comm.dispatcher)
     t.add_row("overlap", ", ".join(plan.comm.overlap) or "none")
-    p = Table(title="predicted step", show_header=False, title_justify="left", expand=True)
+    p = PlainTable(title="predicted step", show_header=False, title_justify="left", expand=True)
     p.add_column(style="bold", no_wrap=True)
     p.add_column()
     p.add_row("step time", fmt_s(pred.step_time_s))
@@ -134,7 +141,7 @@ def stages(plan: Plan) -> Table:
     (:func:`bottleneck`) is highlighted: its row in bold on red, its slowest chunk marked ▶."""
     lay, times = plan.layout, plan.stages.chunk_time_s
     worst_rank, worst_chunk = bottleneck(plan)
-    t = Table(title=f"stages ({plan.stages.placement} placement; slowest chunk {plan.stages.imbalance:+.1%} over "
+    t = PlainTable(title=f"stages ({plan.stages.placement} placement; slowest chunk {plan.stages.imbalance:+.1%} over "
                     f"the mean)", expand=True,
               caption=f"bottleneck (highlighted): pp rank {worst_rank}, the rank whose chunks take the most time per "
                       f"micro-batch ({fmt_s(sum(times[worst_rank]))}); ▶ marks its slowest chunk, {worst_chunk} "
@@ -182,7 +189,7 @@ def memory(plan: Plan) -> Group:
     mem = plan.memory
     budget = mem.budget_bytes
     unit, scale = unit_of(max(m.total_bytes for m in mem.ranks))
-    t = Table(title=f"memory per device in {unit} (budget {budget / scale:.2f} {unit}; recompute asked: "
+    t = PlainTable(title=f"memory per device in {unit} (budget {budget / scale:.2f} {unit}; recompute asked: "
                     f"{mem.recompute}; {mem.precision.short()})", expand=True,
               caption="bar: model states (params + grads + optimizer) █ blue, activations and working set █ green, "
                       "workspace, buffers, runtime and allocator █ yellow, · free, against the budget; (N mb): "
@@ -200,7 +207,7 @@ def memory(plan: Plan) -> Group:
     parts: list[RenderableType] = [t]
     solved = [m for m in mem.ranks if m.solve_status]
     if solved:
-        s = Table(title="memory solver (per-tensor modes, moeplan/memory_ilp.py)")
+        s = PlainTable(title="memory solver (per-tensor modes, moeplan/memory_ilp.py)")
         for col in ("pp rank", "status", "gap", "exposed swap / mb", "note"):
             s.add_column(col)
         for m in solved:
@@ -210,7 +217,7 @@ def memory(plan: Plan) -> Group:
         parts.append(s)
     decided = [(m.pp_rank, d) for m in mem.ranks for d in m.decisions if d.ops]
     if decided:
-        d = Table(title="recompute / swap decisions (bytes freed per layer and micro-batch)")
+        d = PlainTable(title="recompute / swap decisions (bytes freed per layer and micro-batch)")
         for col in ("pp rank", "chunk", "layer kind", "op", "decision", "frees", "flag"):
             d.add_column(col)
         for r, dec in decided:
@@ -228,7 +235,7 @@ def comm(plan: Plan) -> Table:
     """Per comm class (``prediction.comm``): bytes one device sends per link tier, total and exposed seconds over
     the step and the overlap rate ``1 − exposed / total`` (docs/references.md §4.4), and the same in the steady
     state (docs/step-model.md §2)."""
-    t = Table(title=f"communication per step (dispatcher {plan.comm.dispatcher}; overlap "
+    t = PlainTable(title=f"communication per step (dispatcher {plan.comm.dispatcher}; overlap "
                     f"{', '.join(plan.comm.overlap) or 'none'})",
               caption="bytes one device sends per step; steady state: the schedule's middle (its overlapped F&B "
                       "pairs, or first backward to last forward); exposed = the compute stream waited on it",

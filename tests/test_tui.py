@@ -3,6 +3,7 @@
 import asyncio
 import html
 import re
+from importlib import resources
 from collections import Counter
 
 import numpy as np
@@ -210,3 +211,30 @@ def test_bad_plan_exits_2_with_one_line(plan_file, tmp_path, case):
     assert lines[0].startswith("error: ") and proc.stdout == ""
     assert {"schema_version": "schema_version=1", "truncated": "bad.yaml", "binary": "not a text file"}[case] in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+
+
+def test_plan_text_is_printed_as_it_is_never_as_markup(plan, tmp_path):
+    """Names and reasons come from the user's files: ``[/oops]`` raised rich's MarkupError in ``inspect``,
+    ``describe``, ``compile`` and ``compare``; ``[bold]`` would have vanished into a style."""
+    odd = "[/oops] [bold]x"
+    p = plan.model_copy(update={"model": plan.model.model_copy(update={"name": odd}),
+                                "target": plan.target.model_copy(update={"name": odd}),
+                                "stages": plan.stages.model_copy(update={"reason": odd})})
+    save_plan(p, tmp_path / "odd.yaml")
+    proc = run_moeplan("inspect", tmp_path / "odd.yaml", "--static")
+    assert proc.returncode == 0 and proc.stdout.count(odd) >= 3, proc.stderr
+
+    async def script(app, pilot):
+        for i, name in enumerate(views.VIEWS):
+            active, text = await show(app, pilot, str(i + 1))
+            assert active == name, name
+            if name in ("overview", "stages"):
+                assert odd in text, name
+    drive(p, script)
+    model = tmp_path / "odd-model.yaml"
+    model.write_text(f"name: {odd!r}\n" + "".join(
+        line for line in (resources.files("moeplan.examples") / "models" / "tiny-pangu.yaml").read_text()
+        .splitlines(keepends=True) if not line.startswith("name:")))
+    for args in (("describe", model), ("compile", model, "--target", "cpu", "--devices", "2")):
+        proc = run_moeplan(*args)
+        assert proc.returncode == 0 and proc.stdout.startswith(odd), proc.stderr
