@@ -109,6 +109,26 @@ def test_run_options_are_refused_before_launch(plan, options, says):
     assert plan.read_bytes() == before
 
 
+def test_a_deadlocking_schedule_is_refused_before_launch(plan, tmp_path):
+    """Every F and B present and matched, but rank 0 runs a backward before its forward: ``simulate`` called it a
+    deadlock while ``run`` launched the ranks, which waited out their timeout (60 s) and blamed another rank."""
+    import yaml
+
+    from moeplan.plan import decode_actions
+
+    doc = yaml.safe_load(plan.read_text())
+    actions = list(decode_actions(doc["schedule"]["ranks"][0], where=""))
+    f = next(i for i, a in enumerate(actions) if re.fullmatch(r"\d+F\d+", a))
+    b = next(i for i, a in enumerate(actions) if re.fullmatch(r"\d+[BI]\d+", a) and a[-1] == actions[f][-1])
+    actions[f], actions[b] = actions[b], actions[f]
+    doc["schedule"]["ranks"][0] = " ".join(actions)
+    bad = tmp_path / "deadlock.yaml"
+    bad.write_text(yaml.safe_dump(doc, sort_keys=False))
+    proc = run_moeplan("run", bad, "--steps", "2")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "schedule deadlock: rank 0 action" in proc.stderr and "which can never run" in proc.stderr
+
+
 def test_two_runs_cannot_share_a_checkpoint_dir(plan, tmp_path):
     """While one run holds ``--checkpoint-dir`` (its lock: moeplan.runtime.checkpoint.checkpoint_lock), a second is
     refused before launch, naming the holder; once the first ends, the folder is free again."""

@@ -5,9 +5,9 @@
   dispatcher, overlap mechanism or FP8 training it does not run yet (:func:`check_strategy`: it runs the 1F1B,
   interleaved, zero-bubble, ZB-V and DualPipeV orders, the V-placed ones included, with the overlap mechanisms of
   ``moeplan.mechanisms.runtime_mechanisms``; the flat, hierarchical and dedup dispatchers, in fp32 or bf16),
-  a layout the process groups cannot realise, an action list that is not a complete, matched pipeline schedule, an
-  expert placement that does not cover the experts, a device count other than the launched world, a target backend this
-  machine lacks. ``load_plan`` has already checked the schema version and the plan's consistency.
+  a layout the process groups cannot realise, an action list that is not a complete, matched, deadlock-free
+  pipeline schedule, an expert placement that does not cover the experts, a device count other than the launched
+  world, a target backend this machine lacks. ``load_plan`` has already checked the schema version and the plan's consistency.
 - :func:`launch_local` starts ``num_devices`` processes of :mod:`moeplan.runtime.worker` on this machine, each given
   the :class:`~moeplan.runtime.request.RunRequest` as one JSON argument, with torch.distributed's own elastic
   launcher (what ``torchrun --standalone`` runs: c10d rendezvous on localhost, no restarts, ``OMP_NUM_THREADS=1``
@@ -85,8 +85,9 @@ def under_torchrun() -> bool:
 
 def check_schedule(plan: Plan) -> None:
     """Raise PlanError unless every PP rank runs F and B (or I then W) once per own stage and micro-batch (an
-    ``OVERLAP_F_B`` pair counts as its F and its B), and every SEND has the matching RECV on the neighbour stage's
-    rank (and vice versa)."""
+    ``OVERLAP_F_B`` pair counts as its F and its B), every SEND has the matching RECV on the neighbour stage's
+    rank (and vice versa), and no action waits on one that can never run (the deadlock check of
+    ``cost_models.timeline.simulate``, run with unit costs)."""
     lay = plan.layout
     num_stages = lay.pp * lay.vpp
     rank_of = plan.stages.rank_of
@@ -112,6 +113,12 @@ def check_schedule(plan: Plan) -> None:
                 if counts[(send, s, m)] != want or counts[(recv, peer, m)] != want:
                     raise PlanError(f"schedule.actions: {s}{send}{m} and {peer}{recv}{m} must each appear "
                                     f"{want} time(s) (found {counts[(send, s, m)]} and {counts[(recv, peer, m)]})")
+    # the dependencies, as `simulate` steps them (every action of a unit cost): a deadlock is refused here, before
+    # any rank starts, not found by the ranks waiting out their timeout
+    from moeplan.cost_models.timeline import simulate
+    from moeplan.cost_models.timeline_types import StageProgram
+
+    simulate(plan.schedule.actions, stages=[StageProgram.uniform(1.0, 1.0, 1.0)] * num_stages)
 
 
 def check_experts(plan: Plan) -> None:
