@@ -51,6 +51,10 @@ BROKEN_PIPE_EXIT = 141
 for a program that a closed pipe stopped."""
 
 
+INTERRUPTED_EXIT = 130
+"""Exit code of a command stopped by Ctrl-C: 128 + SIGINT, as a shell reports it."""
+
+
 def exit_on_broken_pipe() -> NoReturn:
     """Stop quietly because stdout's reader closed the pipe: nothing on stderr, exit :data:`BROKEN_PIPE_EXIT`; stdout
     is pointed at /dev/null first, so that the interpreter's last flush does not fail again."""
@@ -112,6 +116,9 @@ class GuardedGroup(TyperGroup):
             return super().invoke(ctx)
         except BrokenPipeError:  # a write outside the console: before click, which turns it into exit 1
             exit_on_broken_pipe()
+        except KeyboardInterrupt:  # Ctrl-C before the command's own handling (moeplan run's, once ranks run)
+            err.print(f"moeplan {ctx.invoked_subcommand}: interrupted (Ctrl-C); nothing was written", markup=False)
+            sys.exit(INTERRUPTED_EXIT)
         except Exception as e:
             if isinstance(ctx.obj, Invocation) and not hasattr(e, _INVOCATION):
                 setattr(e, _INVOCATION, ctx.obj)

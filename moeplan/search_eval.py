@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import heapq
 import os
+import signal
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -264,6 +265,12 @@ def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
     return out
 
 
+def _ignore_sigint() -> None:
+    """A worker's start: Ctrl-C, which a terminal sends to the whole process group, is the parent's to handle (one
+    line, exit 130); a worker that took it would print its own traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class _Pool:
     """``map`` / ``imap`` in forked worker processes (``workers`` of them, default the CPU count), or in this process
     for one worker; the pool starts at the first call with more than one task."""
@@ -275,9 +282,9 @@ class _Pool:
     def __enter__(self) -> "_Pool":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         if self.pool is not None:
-            self.pool.shutdown()
+            self.pool.shutdown(cancel_futures=exc_type is not None)  # Ctrl-C, an error: no new task starts
             gc.unfreeze()  # a long-lived caller (a benchmark, the tests) can collect it again
 
     def map(self, fn, tasks: list, chunksize: int = 1) -> list:  # type: ignore[no-untyped-def]
@@ -304,5 +311,6 @@ class _Pool:
             # what exists now (torch, the traced graph) outlives the workers: freezing it keeps their collections
             # from traversing it and their pages shared (the fork recipe of the gc module's docs)
             gc.freeze()
-            self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("fork"))
+            self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("fork"),
+                                            initializer=_ignore_sigint)
         return self.pool
