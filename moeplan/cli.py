@@ -87,6 +87,9 @@ def compile_cmd(
                                                   help="GiB per device the plan may use (plan-memory{budget_gib=})"),
     training_dtype: Optional[str] = typer.Option(None, "--training-dtype",
                                                  help="bf16|fp16|fp32|fp8 (fp8: GEMMs; overrides the target)"),
+    runtime: Optional[str] = typer.Option(None, "--runtime",
+                                          help="megatron-lm|mindspeed-llm: plan only what that runtime runs "
+                                               "(overrides the target's runtime.name; docs/export.md)"),
     grad_dtype: str = typer.Option("fp32", "--grad-dtype",
                                    help="fp32|bf16: gradient buffer and DP reduction (Megatron-LM "
                                         "--grad-reduce-in-bf16 for bf16)"),
@@ -118,6 +121,7 @@ def compile_cmd(
     from moeplan.render import (layout_dict, predicted_dict, render_plan, render_search, search_dict, search_summary,
                                 shape_sources)
     from moeplan.search import Fixed, check_pipeline
+    from moeplan.runtimes import RUNTIMES
     from moeplan.state import Precision
     from moeplan.targets import load_target
 
@@ -130,7 +134,8 @@ def compile_cmd(
         check_output(output)  # before the work: a compile does not end in a refusal to write
     spec = read_model_warning(model).with_shape(seq_len=seq_len, global_batch=global_batch)
     tgt = load_target(target, devices_per_node=devices_per_node, training_dtype=choice(
-        "training_dtype", training_dtype, ("bf16", "fp16", "fp32", "fp8")) if training_dtype else None)
+        "training_dtype", training_dtype, ("bf16", "fp16", "fp32", "fp8")) if training_dtype else None,
+        runtime=choice("runtime", runtime, tuple(RUNTIMES)) if runtime else None)
     shard = None if dp_shard in (None, "auto") else positive("dp_shard", integer("dp_shard", dp_shard))
     precision = Precision(grad_dtype=choice("grad_dtype", grad_dtype, ("fp32", "bf16")),
                           main_params_dtype=choice("main_params_dtype", main_params_dtype, ("fp32", "bf16", "fp16")),

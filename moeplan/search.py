@@ -48,6 +48,7 @@ from moeplan.ir import ModelGraph, named_layers
 from moeplan.layout import Layout, Rejection, check_fixed_degrees, check_layout, layout_rejection
 from moeplan.mechanisms import mechanism
 from moeplan.passes.schedule import schedule_fits
+from moeplan.runtimes import RUNTIMES, Setup
 from moeplan.search_eval import _SHARED, Evaluated, _estimate_all, _estimate_and_evaluate, _lean, _Pool, _shape_tasks
 from moeplan.spec import ModelSpec
 from moeplan.state import Dispatcher, Mechanism, Precision, ScheduleKind, Strategy
@@ -157,12 +158,18 @@ def strategies(layout: Layout, *, graph: ModelGraph, target: Target, fixed: Fixe
                                                num_microbatches=layout.num_microbatches).fits]
     dispatcher = fixed.dispatcher or _cheapest_dispatcher(layout, graph, target, cache)
     ep = expert_group(layout)[0] > 1
+    rt = RUNTIMES.get(caps.name or "")
     out = []
     for kind in kinds:
         if fixed.overlap is not None:
             overlap = fixed.overlap
         else:
             overlap = frozenset(m for m in caps.overlap if _applies(m, kind, layout, graph, ep))
+        if rt is not None:  # what the target's runtime refuses in this setup is not searched
+            setup = Setup.of(layout, kind, dispatcher, overlap)
+            if fixed.overlap is not None and rt.refusals(setup):
+                continue
+            overlap = rt.allowed(setup)
         out.append(Strategy(schedule=kind, dispatcher=dispatcher, overlap=overlap, recompute=fixed.recompute,
                             precision=fixed.precision, recompute_modules=fixed.recompute_modules))  # type: ignore[arg-type]
     return out

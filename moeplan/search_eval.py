@@ -28,6 +28,7 @@ from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout, Rejection
 from moeplan.mechanisms import FB_PAIRED
 from moeplan.passes.partition_stages import SLOT_KINDS
+from moeplan.runtimes import RUNTIMES, Setup
 from moeplan.state import PlanState, Strategy
 from moeplan.targets import Target
 
@@ -60,6 +61,10 @@ def _evaluate(args: tuple[Layout, Strategy, Pipeline, bool, float]) -> Evaluated
         try:
             state, timings = run_pipeline(PlanState(graph=graph, target=target, layout=layout, strategy=attempt),
                                           passes)
+            refused = _runtime_refusals(state)
+            if refused:  # a combination the target's runtime refuses once the recompute modes are chosen
+                error = Rejection("runtime", None, refused)
+                continue
             if simulate is not None and state.memory is not None:
                 bound = plan_bound(state)
                 if bound >= beat:
@@ -269,6 +274,18 @@ def _ignore_sigint() -> None:
     """A worker's start: Ctrl-C, which a terminal sends to the whole process group, is the parent's to handle (one
     line, exit 130); a worker that took it would print its own traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _runtime_refusals(state: PlanState) -> str | None:
+    """The first overlap mechanism of ``state`` its target's runtime refuses now that the memory pass has chosen
+    the recompute modes (moeplan/runtimes.py), as a message; None when it runs them all, or has no name."""
+    rt = RUNTIMES.get(state.target.runtime.name or "")
+    if rt is None or state.memory is None:
+        return None
+    st = state.strategy
+    found = rt.refusals(Setup.of(state.layout, st.schedule, st.dispatcher, st.overlap,
+                                 tuple(m.recompute for m in state.memory.stages)))
+    return f"runtime: {rt.title} refuses overlap {found[0].mechanism}: {found[0].reason}" if found else None
 
 
 class _Pool:

@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError,
+                      field_validator, model_serializer, model_validator)
 
 from moeplan.errors import TargetError, validation_message
 from moeplan.files import read_yaml
 from moeplan.mechanisms import MECHANISMS, Mechanism, runtime_mechanisms
 from moeplan.names import DISPATCHERS, SCHEDULES, Dispatcher, ScheduleKind
+from moeplan.runtimes import RUNTIMES, RuntimeName
 
 
 # Bounds far outside any device built (docs/inputs.md): they keep every time and byte count of the cost models finite.
@@ -214,6 +216,39 @@ class RuntimeSupport(BaseModel):
     ``always`` (moeplan's ``DistributedAdamW`` clones its fp32 shard whatever the model's dtype,
     moeplan/runtime/optimizer.py)."""
 
+    name: RuntimeName | None = None
+    """The runtime that runs plans for this target (moeplan/runtimes.py: ``megatron-lm``, ``mindspeed-llm``): the
+    lists above default to what it runs, may name nothing else, and the search drops the overlap combinations it
+    refuses. None: the lists alone say what runs (moeplan's own runtime, or one that runs them all)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _runtime_lists(cls, data: object) -> object:
+        """With a ``name``: the lists it leaves out become its runtime's; a list naming more is an error."""
+        if not isinstance(data, dict) or data.get("name") not in RUNTIMES:
+            return data
+        rt = RUNTIMES[data["name"]]
+        data = dict(data)
+        for field, allowed in (("schedules", rt.schedules), ("dispatchers", rt.dispatchers), ("overlap", rt.overlap)):
+            given = cls._named_set(data[field]) if field == "overlap" and field in data else data.get(field)
+            if given is None:
+                data[field] = allowed
+            elif isinstance(given, (list, tuple)) and (extra := [v for v in given if v not in allowed]):
+                raise ValueError(f"{field} names {', '.join(map(str, extra))}, which {rt.title} does not run "
+                                 f"(it runs {', '.join(allowed)})")
+        if data.get("fsdp") is True and not rt.fsdp:
+            raise ValueError(f"fsdp: {rt.title} does not shard parameters (ZeRO-1 only)")
+        data.setdefault("fsdp", rt.fsdp)
+        return data
+
+    @model_serializer(mode="wrap")
+    def _without_no_name(self, handler):
+        """A runtime without a name writes no ``name`` key (the plans of earlier versions, byte for byte)."""
+        out = handler(self)
+        if isinstance(out, dict) and out.get("name") is None:
+            out.pop("name", None)
+        return out
+
     @field_validator("overlap", mode="before")
     @classmethod
     def _named_set(cls, value: object) -> object:
@@ -310,9 +345,10 @@ def target_names() -> list[str]:
 
 
 def load_target(name: str, *, variant: str | None = None, devices_per_node: int | None = None,
-                training_dtype: str | None = None) -> Target:
+                training_dtype: str | None = None, runtime: str | None = None) -> Target:
     """Load a shipped target by name (or a path to a target YAML file).
 
+    ``runtime`` names the runtime that runs its plans (moeplan/runtimes.py), as ``runtime.name`` in the file would.
     Raises TargetError: unknown name or variant, unreadable or malformed YAML, or a field that breaks the schema
     (types and the bounds of docs/inputs.md).
     """
@@ -348,6 +384,8 @@ def load_target(name: str, *, variant: str | None = None, devices_per_node: int 
         data["devices_per_node"] = devices_per_node
     if training_dtype is not None:
         data["training_dtype"] = training_dtype
+    if runtime is not None:  # the file's lists stay, and must be within what that runtime runs
+        data["runtime"] = {**(data.get("runtime") or {}), "name": runtime}
     try:
         target = Target.model_validate(data)
     except ValidationError as e:

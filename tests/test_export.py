@@ -133,10 +133,14 @@ def test_718b_flags_and_degrees(plan_718b, target):
     overlap = plan_718b.comm.overlap
     if target == "megatron" and "fb" in overlap:  # Megatron refuses the shared-expert overlap beside EP A2A overlap
         assert "--overlap-moe-expert-parallel-comm" in args and "--moe-shared-expert-overlap" not in args
-        assert any(n.startswith("--moe-shared-expert-overlap left out") for n in ex.notes)
+        assert any(n.startswith("comm.overlap shared-expert left out: Megatron-LM refuses") for n in ex.notes)
     if target == "mindspeed-llm" and {"fb", "dp"} <= set(overlap):  # MindSpeed refuses fb with DP overlap
-        assert "--moe-fb-overlap" in args and "--overlap-grad-reduce" not in args
-        assert any(n.startswith("--overlap-grad-reduce left out") for n in ex.notes)
+        assert "--overlap-grad-reduce" not in args
+        assert any(n.startswith("comm.overlap dp left out: MindSpeed refuses") for n in ex.notes)
+        # and this plan's empty layers sit outside the last VPP stage, which MindSpeed refuses with fb under VPP:
+        # fb is left out too, not written beside a note that says MindSpeed refuses it
+        assert "--moe-fb-overlap" not in args
+        assert any(n.startswith("--moe-fb-overlap left out: MindSpeed refuses --noop-layers") for n in ex.notes)
 
 
 def test_megatron_layout_follows_the_stages(plans):
@@ -433,3 +437,51 @@ def test_plan_text_cannot_break_out_of_an_exported_script(plans, tmp_path):
     assert "\n" not in str(e.value)
     doc = Export("megatron", "--tp 1\n", ("fine", "x'\ntouch pwned #"), commented=True).document()
     assert [ln for ln in doc.splitlines() if not ln.startswith("#")] == ["--tp 1"]
+
+
+FB_FLAG = {"megatron": "--overlap-moe-expert-parallel-comm", "mindspeed-llm": "--moe-fb-overlap"}
+
+
+@pytest.mark.parametrize("runtime, to", [("megatron-lm", "megatron"), ("mindspeed-llm", "mindspeed-llm")])
+def test_no_export_writes_a_combination_its_runtime_refuses(plans, plan_718b, runtime, to):
+    """Issue 34: the Megatron export's note said --overlap-moe-expert-parallel-comm needs VPP when pp > 1, and the
+    export still wrote the flag. Over 9 plans (8 small ones reaching every branch, the 718B's), a mechanism the
+    runtime refuses in the plan's setup (moeplan/runtimes.py, the table the search reads too) gets no flag, and the
+    pairs each runtime refuses at start-up never appear together."""
+    from moeplan.export.common import OVERLAP_FLAGS, plan_setup
+    from moeplan.runtimes import RUNTIMES
+
+    for name, plan in {**plans, "718b": plan_718b}.items():
+        ex = export_plan(plan, to)
+        args = set(_args(ex.text))
+        assert not any("refuses this combination" in n for n in ex.notes), (name, ex.notes)
+        for r in RUNTIMES[runtime].refusals(plan_setup(plan)):
+            assert not set({"fb": (FB_FLAG[to],), **OVERLAP_FLAGS}[r.mechanism]) & args, (name, r)
+            assert any(n.startswith(f"comm.overlap {r.mechanism} left out") for n in ex.notes), (name, r)
+        refused_pairs = ([{FB_FLAG[to], "--moe-shared-expert-overlap"}] if to == "megatron" else
+                         [{FB_FLAG[to], "--overlap-grad-reduce"}, {FB_FLAG[to], "--swap-attention"}])
+        assert not any(pair <= args for pair in refused_pairs), name
+        if FB_FLAG[to] in args and plan.layout.pp > 1:  # both need VPP (or, in MindSpeed, DualPipeV) then
+            assert plan.layout.vpp > 1, name
+
+
+def test_the_search_for_a_megatron_target_plans_only_what_megatron_runs():
+    """A target whose runtime is Megatron-LM (``runtime.name``, or ``compile --runtime megatron-lm``): the default
+    search of strategies picks what Megatron-LM runs, and the export carries no note of a refused or missing
+    feature. Without the runtime, the same compiles pick zero-bubble (tiny-pangu) and DualPipeV (GLM-4.5-Air)."""
+    from moeplan.export.common import plan_setup
+    from moeplan.runtimes import RUNTIMES
+
+    target = load_target("h100", runtime="megatron-lm")
+    tiny = load_spec("tiny-pangu")
+    air = load_spec(str(Path(__file__).parent / "fixtures" / "hf" / "glm-4.5-air" / "config.json"))
+    cases = [(tiny, 16, Fixed(global_batch=64, seq_len=tiny.seq_len, ep=8, pp=2)),
+             (air, 128, Fixed(global_batch=air.global_batch, seq_len=air.seq_len, tp=4, pp=2, ep=4, cp=2))]
+    for spec, devices, fixed in cases:
+        plan = compile_model(spec=spec, target=target, num_devices=devices, fixed=fixed, workers=1).plan
+        assert plan.schedule.kind in ("1f1b", "interleaved") and plan.comm.dispatcher in ("flat", "dedup")
+        assert not RUNTIMES["megatron-lm"].refusals(plan_setup(plan)), spec.name
+        notes = export_plan(plan, "megatron").notes
+        assert not [n for n in notes if "left out" in n or "refuse" in n or "schedule.kind" in n
+                    or "placement" in n or "dispatcher" in n], notes
+    assert "fb" in plan.comm.overlap  # the GLM-4.5-Air plan runs Megatron's EP overlap, with VPP

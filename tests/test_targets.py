@@ -227,3 +227,27 @@ def test_runtime_sets(tmp_path: Path, field: str, value: object, ok: bool) -> No
     with pytest.raises(TargetError) as exc:
         load_target(str(tmp_path / "t.yaml"))
     assert f"runtime.{field}=[]" in _one_line_error(exc)
+
+
+def test_a_named_runtime_sets_and_bounds_what_the_search_tries(tmp_path):
+    """``runtime.name`` (moeplan/runtimes.py): the lists default to what the runtime runs, a list naming more is
+    refused, and a target without a name writes no ``name`` (plans of earlier versions stay byte for byte)."""
+    from moeplan.runtimes import RUNTIMES, Setup
+
+    meg = load_target("h100", runtime="megatron-lm").runtime
+    assert (meg.schedules, meg.dispatchers, meg.fsdp) == (("1f1b", "interleaved"), ("flat", "dedup"), True)
+    assert meg.model_dump()["name"] == "megatron-lm" and "name" not in load_target("h100").runtime.model_dump()
+    assert load_target("h100", runtime="mindspeed-llm").runtime.fsdp is False
+    with pytest.raises(TargetError, match="schedules names zero-bubble, zbv, dualpipev, which Megatron-LM does "
+                                          "not run"):
+        load_target("cpu", runtime="megatron-lm")  # the cpu file lists the schedules moeplan runs
+    rt = RUNTIMES["megatron-lm"]
+    s = Setup(schedule="1f1b", pp=2, vpp=1, expert_shards=4, etp=1, dispatcher="flat",
+              overlap=frozenset({"shared-expert", "fb", "dp"}))
+    assert [r.mechanism for r in rt.refusals(s)] == ["fb", "shared-expert"]
+    assert rt.allowed(s) == {"shared-expert", "dp"}  # fb needs VPP at pp 2; without fb, shared-expert is fine
+    assert rt.allowed(Setup(**{**s.__dict__, "schedule": "interleaved", "vpp": 2})) == {"fb", "dp"}
+    assert rt.refusals(Setup(**{**s.__dict__, "schedule": "interleaved", "vpp": 2, "overlap": frozenset({"fb"}),
+                                "recompute": ("none", "full")}))[0].reason == "it refuses full recompute"
+    ms = RUNTIMES["mindspeed-llm"]
+    assert ms.allowed(Setup(**{**s.__dict__, "schedule": "dualpipev", "vpp": 2})) == {"shared-expert", "fb"}

@@ -7,6 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from moeplan.plan import Plan
+from moeplan.runtimes import Runtime, Setup
 
 #: --recompute-modules values each parser accepts (megatron/core/transformer/transformer_config.py, allowed_modules)
 MEGATRON_MODULES = frozenset({"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"})
@@ -315,30 +316,48 @@ def _recompute(plan: Plan, a: _Args, runtime: str) -> None:
     _op_notes(plan, chosen, runtime, a.notes)
 
 
-def _overlap(plan: Plan, a: _Args, fb_flag: str, runtime: str) -> None:
+OVERLAP_FLAGS = {"shared-expert": ("--moe-shared-expert-overlap",), "dp": ("--overlap-grad-reduce",
+                                                                          "--overlap-param-gather")}
+"""Megatron-LM's (and MindSpeed-LLM's) flags of the overlap mechanisms but fb, whose flag differs between them."""
+
+
+def plan_setup(plan: Plan) -> Setup:
+    """The plan as the rules of moeplan/runtimes.py see it (the recompute modes of its PP ranks included)."""
+    return Setup.of(plan.layout, plan.schedule.kind, plan.comm.dispatcher, plan.comm.overlap,
+                    tuple(m.recompute for m in plan.memory.ranks))
+
+
+def _overlap(plan: Plan, a: _Args, fb_flag: str, rt: Runtime) -> None:
     """Overlap mechanisms (docs/step-model.md §2): shared-expert, fb, dp as flags; pp as Megatron's p2p overlap,
     which exists only in the interleaved schedule and cannot be turned off at pp 2 (megatron/training/arguments.py
-    validate_args); a note for any other registered mechanism (moeplan/mechanisms.py)."""
+    validate_args); a note for any other registered mechanism (moeplan/mechanisms.py). A mechanism the runtime
+    refuses in the plan's setup (moeplan/runtimes.py, the rules the search obeys for a target of this runtime) gets
+    no flag, only a note: the export never asks for a combination the runtime refuses at start-up."""
     lay, spec, overlap = plan.layout, plan.model.spec, plan.comm.overlap
-    if "shared-expert" in overlap:
-        if spec.num_shared_experts:
-            a.add("--moe-shared-expert-overlap")
-        else:
+    refused = {}
+    for r in rt.refusals(plan_setup(plan)):
+        refused.setdefault(r.mechanism, []).append(r.reason)
+    for mech, reasons in refused.items():
+        a.notes.append(f"comm.overlap {mech} left out: {'; '.join(reasons)}; the plan's prediction counts it "
+                       f"(a target with runtime.name {rt.name} plans without it)")
+    flags = {**OVERLAP_FLAGS, "fb": (fb_flag,)}
+    for mech in ("shared-expert", "fb", "dp"):
+        if mech not in overlap or mech in refused:
+            continue
+        if mech == "shared-expert" and not spec.num_shared_experts:
             a.notes.append("comm.overlap shared-expert: the model has no shared experts")
-    if "fb" in overlap:
-        a.add(fb_flag)
-    if "dp" in overlap:
-        a.add("--overlap-grad-reduce")
-        a.add("--overlap-param-gather")
+            continue
+        for flag in flags[mech]:
+            a.add(flag)
     interleaved = lay.vpp > 1 and plan.stages.placement == "loop"
     for mech in overlap:
         if mech not in ("shared-expert", "fb", "dp", "pp"):
-            a.notes.append(f"comm.overlap {mech}: no {runtime} flag")
+            a.notes.append(f"comm.overlap {mech}: no {rt.title} flag")
     if lay.pp > 1 and ("pp" in overlap) != interleaved:
         if interleaved and lay.pp > 2:
             a.add("--no-overlap-p2p-communication")
         else:
-            a.notes.append(f"comm.overlap {'with' if 'pp' in overlap else 'without'} pp: {runtime} overlaps p2p "
+            a.notes.append(f"comm.overlap {'with' if 'pp' in overlap else 'without'} pp: {rt.title} overlaps p2p "
                            f"{'only' if 'pp' in overlap else 'always'} in the interleaved schedule"
                            + (" at pp 2" if interleaved else ""))
 

@@ -5,6 +5,7 @@ from moeplan.export.common import (_Args, _common, _megatron_layout, _moe, _mtp_
                                    _schedule_note, pipeline_stages)
 from moeplan.export.registry import Export, register
 from moeplan.plan import Plan
+from moeplan.runtimes import RUNTIMES
 
 
 @register("megatron", source="Megatron-LM d98e8a64 (github.com/NVIDIA/Megatron-LM, main, 2026-08-22)")
@@ -52,21 +53,7 @@ def _megatron(plan: Plan) -> _Args:
         a.notes.append("model.spec.routing='moge' (grouped top-k per expert group): no Megatron-LM router")
     _schedule_note(plan, a, rt, ("1f1b", "interleaved"))
     _recompute(plan, a, rt)
-    _overlap(plan, a, "--overlap-moe-expert-parallel-comm", rt)
-    if a.has("--overlap-moe-expert-parallel-comm"):
-        a.drop("--moe-shared-expert-overlap", "Megatron-LM refuses it with --overlap-moe-expert-parallel-comm")
-        why = []
-        if lay.expert_shards == 1:
-            why.append("expert-model-parallel-size > 1")
-        if lay.pp > 1 and (lay.vpp == 1 or plan.stages.placement == "v"):
-            why.append("virtual pipeline stages when pp > 1")
-        if a.has("--recompute-method"):
-            why.append("no whole-layer recompute")
-        if not a.has("--moe-token-dispatcher-type"):
-            why.append("the alltoall or flex dispatcher")
-        if why:
-            a.notes.append(f"--overlap-moe-expert-parallel-comm needs {', '.join(why)}; Megatron-LM refuses this "
-                           f"combination as planned")
+    _overlap(plan, a, "--overlap-moe-expert-parallel-comm", RUNTIMES["megatron-lm"])
     a.note_unused_spec(plan, rt)
     return a
 

@@ -5,6 +5,7 @@ from moeplan.export.common import (_Args, _common, _is_slot, _megatron_layout, _
                                    _recompute, _schedule_note, pipeline_stages)
 from moeplan.export.registry import Export, register
 from moeplan.plan import Plan
+from moeplan.runtimes import RUNTIMES
 
 
 @register("mindspeed-llm", source="MindSpeed-LLM c77308a1 (github.com/Ascend/MindSpeed-LLM, master, 2026-08-21) "
@@ -59,26 +60,17 @@ def _mindspeed(plan: Plan) -> _Args:
         a.notes.append("model.spec.routing='moge' (grouped top-k per expert group): no MindSpeed-LLM router flag")
     _schedule_note(plan, a, rt, ("1f1b", "interleaved", "dualpipev"))
     _recompute(plan, a, rt)
-    _overlap(plan, a, "--moe-fb-overlap", rt)
-    if fb:
-        why = "MindSpeed refuses it with --moe-fb-overlap (mindspeed/features_manager/moe/fb_overlap.py)"
-        for flag in ("--overlap-grad-reduce", "--overlap-param-gather", "--swap-attention"):
-            a.drop(flag, why)
-        if lay.pp > 1 and lay.vpp == 1 and plan.schedule.kind != "dualpipev":
-            a.notes.append("--moe-fb-overlap with pp > 1 needs virtual pipeline stages or DualPipeV; MindSpeed "
-                           "refuses this combination as planned")
+    _overlap(plan, a, "--moe-fb-overlap", RUNTIMES["mindspeed-llm"])
+    if a.has("--moe-fb-overlap"):
+        a.drop("--swap-attention", "MindSpeed refuses it with --moe-fb-overlap (mindspeed/features_manager/moe/"
+                                   "fb_overlap.py)")
         per_stage = a.value("--num-layers-per-virtual-pipeline-stage")
         if a.has("--noop-layers") and per_stage:
             noop = [int(i) for i in a.value("--noop-layers")[0].split(",")]
             if min(noop) < int(a.value("--num-layers")[0]) - int(per_stage[0]):
-                a.notes.append("--noop-layers outside the last VPP stage: MindSpeed refuses them with "
-                               "--moe-fb-overlap under VPP (fb_overlap.py)")
-        if spec.is_moe and (lay.etp != 1 or lay.expert_shards == 1):
-            a.notes.append("--moe-fb-overlap needs expert-tensor-parallel-size 1 and expert parallelism; MindSpeed "
-                           "refuses this combination as planned")
+                a.drop("--moe-fb-overlap", "MindSpeed refuses --noop-layers outside the last VPP stage with it "
+                                           "under VPP (fb_overlap.py); the plan's prediction counts fb")
     if plan.schedule.kind == "dualpipev":
-        a.drop("--overlap-grad-reduce", "MindSpeed refuses it with DualPipeV (dualpipev_feature.py)")
-        a.drop("--overlap-param-gather", "it needs --overlap-grad-reduce")
         a.drop("--swap-attention", "MindSpeed refuses it with DualPipeV (dualpipev_feature.py)")
     a.note_unused_spec(plan, rt)
     return a
