@@ -75,11 +75,18 @@ class Runtime:
                 out.append(Refusal(mech, why))
         return out
 
+    def decide(self, s: Setup) -> tuple[frozenset[str], list[Refusal]]:
+        """What of ``s.overlap`` the runtime runs in setup ``s``, and a refusal for each mechanism left out: fb when
+        its needs are not met, then what conflicts with the mechanisms kept (so a mechanism refused only beside fb
+        stays when fb goes)."""
+        fb_why = _FB_NEEDS[self.name](s) if "fb" in s.overlap else []
+        kept = s.overlap - {"fb"} if fb_why else s.overlap
+        beside = self.refusals(replace(s, overlap=kept))
+        return kept - {r.mechanism for r in beside}, [Refusal("fb", why) for why in fb_why] + beside
+
     def allowed(self, s: Setup) -> frozenset[str]:
-        """``s.overlap`` without what the runtime refuses in setup ``s``: fb when its needs are not met, then what
-        conflicts with the mechanisms left."""
-        kept = s.overlap - {"fb"} if "fb" in s.overlap and _FB_NEEDS[self.name](s) else s.overlap
-        return kept - {r.mechanism for r in self.refusals(replace(s, overlap=kept))}
+        """The mechanisms of ``s.overlap`` the runtime runs in setup ``s`` (:meth:`decide`)."""
+        return self.decide(s)[0]
 
 
 def _megatron_fb(s: Setup) -> list[str]:
@@ -87,13 +94,13 @@ def _megatron_fb(s: Setup) -> list[str]:
     expert parallelism, virtual pipeline stages when pp > 1, no full recompute, the alltoall or flex dispatcher."""
     why = []
     if s.expert_shards == 1:
-        why.append("it needs expert-model-parallel-size > 1")
+        why.append("--overlap-moe-expert-parallel-comm needs expert-model-parallel-size > 1")
     if s.pp > 1 and not s.interleaved:
-        why.append("it needs virtual pipeline stages when pp > 1")
+        why.append("--overlap-moe-expert-parallel-comm needs virtual pipeline stages when pp > 1")
     if s.recompute is not None and "full" in s.recompute:
-        why.append("it refuses full recompute")
+        why.append("--overlap-moe-expert-parallel-comm refuses full recompute")
     if s.dispatcher not in ("flat", "dedup"):
-        why.append("it needs the alltoall or flex dispatcher")
+        why.append("--overlap-moe-expert-parallel-comm needs the alltoall or flex dispatcher")
     return why
 
 
@@ -102,9 +109,9 @@ def _mindspeed_fb(s: Setup) -> list[str]:
     1, and virtual pipeline stages or DualPipeV when pp > 1."""
     why = []
     if s.expert_shards == 1 or s.etp != 1:
-        why.append("it needs expert parallelism with expert-tensor-parallel-size 1")
+        why.append("--moe-fb-overlap needs expert parallelism with expert-tensor-parallel-size 1")
     if s.pp > 1 and s.vpp == 1 and s.schedule != "dualpipev":
-        why.append("it needs virtual pipeline stages or DualPipeV when pp > 1")
+        why.append("--moe-fb-overlap needs virtual pipeline stages or DualPipeV when pp > 1")
     return why
 
 

@@ -447,7 +447,8 @@ def test_no_export_writes_a_combination_its_runtime_refuses(plans, plan_718b, ru
     """Issue 34: the Megatron export's note said --overlap-moe-expert-parallel-comm needs VPP when pp > 1, and the
     export still wrote the flag. Over 9 plans (8 small ones reaching every branch, the 718B's), a mechanism the
     runtime refuses in the plan's setup (moeplan/runtimes.py, the table the search reads too) gets no flag, and the
-    pairs each runtime refuses at start-up never appear together."""
+    pairs each runtime refuses at start-up never appear together. A DualPipeV plan with fb and the shared-expert
+    overlap keeps the shared-expert flag for Megatron-LM: it is refused only beside fb, which goes."""
     from moeplan.export.common import OVERLAP_FLAGS, plan_setup
     from moeplan.runtimes import RUNTIMES
 
@@ -455,7 +456,7 @@ def test_no_export_writes_a_combination_its_runtime_refuses(plans, plan_718b, ru
         ex = export_plan(plan, to)
         args = set(_args(ex.text))
         assert not any("refuses this combination" in n for n in ex.notes), (name, ex.notes)
-        for r in RUNTIMES[runtime].refusals(plan_setup(plan)):
+        for r in RUNTIMES[runtime].decide(plan_setup(plan))[1]:
             assert not set({"fb": (FB_FLAG[to],), **OVERLAP_FLAGS}[r.mechanism]) & args, (name, r)
             assert any(n.startswith(f"comm.overlap {r.mechanism} left out") for n in ex.notes), (name, r)
         refused_pairs = ([{FB_FLAG[to], "--moe-shared-expert-overlap"}] if to == "megatron" else
@@ -463,6 +464,9 @@ def test_no_export_writes_a_combination_its_runtime_refuses(plans, plan_718b, ru
         assert not any(pair <= args for pair in refused_pairs), name
         if FB_FLAG[to] in args and plan.layout.pp > 1:  # both need VPP (or, in MindSpeed, DualPipeV) then
             assert plan.layout.vpp > 1, name
+    dual = plans["dualpipev"]
+    if to == "megatron" and plan_setup(dual).overlap >= {"fb", "shared-expert"}:
+        assert "--moe-shared-expert-overlap" in _args(export_plan(dual, to).text)
 
 
 def test_the_search_for_a_megatron_target_plans_only_what_megatron_runs():

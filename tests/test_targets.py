@@ -248,6 +248,6 @@ def test_a_named_runtime_sets_and_bounds_what_the_search_tries(tmp_path):
     assert rt.allowed(s) == {"shared-expert", "dp"}  # fb needs VPP at pp 2; without fb, shared-expert is fine
     assert rt.allowed(Setup(**{**s.__dict__, "schedule": "interleaved", "vpp": 2})) == {"fb", "dp"}
     assert rt.refusals(Setup(**{**s.__dict__, "schedule": "interleaved", "vpp": 2, "overlap": frozenset({"fb"}),
-                                "recompute": ("none", "full")}))[0].reason == "it refuses full recompute"
+                                "recompute": ("none", "full")}))[0].reason == "--overlap-moe-expert-parallel-comm refuses full recompute"
     ms = RUNTIMES["mindspeed-llm"]
     assert ms.allowed(Setup(**{**s.__dict__, "schedule": "dualpipev", "vpp": 2})) == {"shared-expert", "fb"}

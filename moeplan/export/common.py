@@ -334,8 +334,8 @@ def _overlap(plan: Plan, a: _Args, fb_flag: str, rt: Runtime) -> None:
     refuses in the plan's setup (moeplan/runtimes.py, the rules the search obeys for a target of this runtime) gets
     no flag, only a note: the export never asks for a combination the runtime refuses at start-up."""
     lay, spec, overlap = plan.layout, plan.model.spec, plan.comm.overlap
-    refused = {}
-    for r in rt.refusals(plan_setup(plan)):
+    refused: dict[str, list[str]] = {}
+    for r in rt.decide(plan_setup(plan))[1]:
         refused.setdefault(r.mechanism, []).append(r.reason)
     for mech, reasons in refused.items():
         a.notes.append(f"comm.overlap {mech} left out: {'; '.join(reasons)}; the plan's prediction counts it "
