@@ -17,6 +17,7 @@ must meet. Every combination is built and checked as a :class:`~moeplan.spec.Mod
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import time
 from collections import Counter
@@ -25,7 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, model_validator
 
 from moeplan.errors import MoeplanError, SpecError
 from moeplan.files import read_yaml
@@ -50,24 +51,40 @@ _EXPERT_FIELDS = frozenset({"num_experts", "top_k", "moe_ffn_size", "num_shared_
 _EXPERT_FREE = (LayerKind.EMBEDDING, LayerKind.DENSE, LayerKind.HEAD, LayerKind.MTP_HEAD, LayerKind.EMPTY)
 
 
+MAX_COMBINATIONS = 100_000
+"""Most architectures a space may hold (the product of its choices' counts): screening runs about 16 architectures a
+second on a 2-core machine (the shipped Pangu space, 14,550 combinations, about 15 minutes), so this bound is
+about two hours; a larger space is refused when it is read, before anything is listed."""
+StrictNumber = StrictInt | StrictFloat
+"""A number as YAML writes it: an int or a float, never a string ("64") or a bool."""
+
+
+def _bounded(counts: dict[str, int]) -> None:
+    """Refuse a space of more than :data:`MAX_COMBINATIONS` (``counts``: values per varied field)."""
+    total = math.prod(counts.values())
+    if total > MAX_COMBINATIONS:
+        raise ValueError(f"{total:,} combinations of {', '.join(counts)}; a space may hold at most "
+                         f"{MAX_COMBINATIONS:,} (docs/explore.md): narrow a range or give it a step")
+
+
 class Choices(BaseModel):
     """The values each varied field takes (positive integers, no repeats); a field left out keeps the base's."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    num_layers: list[int] | None = None
-    hidden_size: list[int] | None = None
-    num_heads: list[int] | None = None
-    num_kv_heads: list[int] | None = None
-    q_lora_rank: list[int] | None = None
-    kv_lora_rank: list[int] | None = None
-    num_experts: list[int] | None = None
-    top_k: list[int] | None = None
-    moe_ffn_size: list[int] | None = None
-    num_shared_experts: list[int] | None = None
-    num_dense_layers: list[int] | None = None
-    num_mtp_layers: list[int] | None = None
-    vocab_size: list[int] | None = None
+    num_layers: list[StrictInt] | None = None
+    hidden_size: list[StrictInt] | None = None
+    num_heads: list[StrictInt] | None = None
+    num_kv_heads: list[StrictInt] | None = None
+    q_lora_rank: list[StrictInt] | None = None
+    kv_lora_rank: list[StrictInt] | None = None
+    num_experts: list[StrictInt] | None = None
+    top_k: list[StrictInt] | None = None
+    moe_ffn_size: list[StrictInt] | None = None
+    num_shared_experts: list[StrictInt] | None = None
+    num_dense_layers: list[StrictInt] | None = None
+    num_mtp_layers: list[StrictInt] | None = None
+    vocab_size: list[StrictInt] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -84,8 +101,9 @@ class Choices(BaseModel):
                 step = v.get("step", 1)
                 if step <= 0 or v["max"] < v["min"]:
                     raise ValueError(f"{name}: a range needs min <= max and step > 0")
-                out[name] = list(range(v["min"], v["max"] + 1, step))
-        return out
+                out[name] = range(v["min"], v["max"] + 1, step)
+        _bounded({n: len(v) for n, v in out.items() if isinstance(v, (list, range))})  # before a list is made
+        return {n: list(v) if isinstance(v, range) else v for n, v in out.items()}
 
     @model_validator(mode="after")
     def _check(self) -> "Choices":
@@ -111,11 +129,11 @@ class Constraints(BaseModel):
     """What an architecture must meet: total and activated parameters in billions (``[min, max]``, MTP modules
     excluded, as published counts are) and alignment rules (``multiple_of: {hidden_size: 256}``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    total_params_b: tuple[float, float] | None = None
-    activated_params_b: tuple[float, float] | None = None
-    multiple_of: dict[str, int] = Field(default_factory=dict)
+    total_params_b: tuple[StrictNumber, StrictNumber] | None = None
+    activated_params_b: tuple[StrictNumber, StrictNumber] | None = None
+    multiple_of: dict[str, StrictInt] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> "Constraints":
@@ -142,9 +160,9 @@ class Space(BaseModel):
     base: str = Field(min_length=1)
     choices: Choices
     constraints: Constraints = Constraints()
-    seq_len: int | None = Field(default=None, gt=0)
-    global_batch: int | None = Field(default=None, gt=0)
-    screen_layouts: int = Field(default=100, gt=0)
+    seq_len: StrictInt | None = Field(default=None, gt=0)
+    global_batch: StrictInt | None = Field(default=None, gt=0)
+    screen_layouts: StrictInt = Field(default=100, gt=0)
 
 
 def load_space(path: str | Path) -> Space:

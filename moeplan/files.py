@@ -146,9 +146,12 @@ MAX_NODES = 10_000_000
 
 
 def _depth_bound(text: str) -> int:
-    """An upper bound on the nesting depth of a YAML document: each flow level opens a bracket, each block level
-    takes at least one column (indentation or a ``-``/``?`` indicator) of one line."""
-    return text.count("[") + text.count("{") + max(map(len, text.splitlines()), default=0)
+    """An upper bound on the nesting depth of a YAML document: each flow level opens a bracket, and each block level
+    starts at least one column right of its parent, so a line's block levels fit in its prefix of indentation and
+    ``-``/``?``/``:`` indicators, plus one for a mapping after them. A long comment or scalar does not count (a
+    20 MB comment line sent the file to the pure-Python loader: about a minute)."""
+    prefix = max((len(line) - len(line.lstrip(" \t-?:")) for line in text.splitlines()), default=0)
+    return text.count("[") + text.count("{") + prefix + 1
 
 
 def _shape(doc: object) -> tuple[int, int] | None:

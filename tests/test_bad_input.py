@@ -266,6 +266,18 @@ def test_yaml_that_would_crash_the_reader(tmp_path):
         assert needle in assert_refused(load_spec, tmp_path / "m.yaml", SpecError, "malformed YAML")
 
 
+def test_a_long_comment_is_read_by_libyaml(tmp_path, monkeypatch):
+    """A 20 MB comment line sent the file to PyYAML's pure-Python loader (49-77 s): the depth bound counted the
+    longest line. It counts a line's indentation and indicators now; the deep cases above still fall back."""
+    from moeplan import files
+
+    monkeypatch.setattr(files, "_PURE_LOADER", None)  # yaml.load(Loader=None) fails: the fallback would be seen
+    model = tmp_path / "m.yaml"
+    model.write_text((_MODELS / "tiny-pangu.yaml").read_text() + "# " + "x" * 20_000_000 + "\n")
+    assert load_spec(str(model)).num_layers == load_spec("tiny-pangu").num_layers
+    assert files._depth_bound("- " * 60_000 + "x") > files.MAX_DEPTH  # "- - - x" still nests per indicator
+
+
 def test_a_run_count_is_bounded_before_it_is_expanded(tmp_path):
     """``0F0*2000000000`` in a schedule line is refused from its count, before a single action is expanded: a line
     holds at most 9 actions per chunk and micro-batch of the plan's layout (moeplan/plan_schedule.py)."""

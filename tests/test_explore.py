@@ -206,3 +206,22 @@ def test_screened_defaults():
     s = Screened(0, "no-layout", "why")
     assert s.tokens_per_s == 0.0 and s.layout is None
     assert _screen_group([[], [], load_target("h100"), 8]) == []
+
+
+@pytest.mark.parametrize("choices, says", [
+    ({"num_layers": ["64"]}, "space.choices.num_layers.0='64': Input should be a valid integer"),
+    ({"num_layers": [True]}, "space.choices.num_layers.0=True: Input should be a valid integer"),
+    ({"num_layers": {"min": 1, "max": 4096}, "hidden_size": {"min": 1, "max": 2**20},
+      "num_experts": {"min": 1, "max": 2**20}}, "4,503,599,627,370,496 combinations of hidden_size, num_experts, "
+                                                 "num_layers; a space may hold at most 100,000"),  # the file's order
+    ({"num_layers": {"min": 1, "max": 2**40}}, "1,099,511,627,776 combinations of num_layers"),
+    ({"num_layers": list(range(1, 400)), "hidden_size": list(range(64, 64 * 300, 64))}, "119,301 combinations"),
+])
+def test_a_space_is_strict_and_bounded(tmp_path, choices, says):
+    """Issue 34: explore read "64" as 64 where model files are strict, and a 4096 x 2^20 x 2^20 space printed
+    nothing for minutes; each is refused when the file is read, with one line (the 2^40 range before its list)."""
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "base": "tiny-pangu", "choices": choices}))
+    with pytest.raises(SpecError) as e:
+        load_space(path)
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
