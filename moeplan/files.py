@@ -125,13 +125,28 @@ def write_atomic(path: str | Path, data: str | bytes, *, field: str = "output") 
         raise
 
 
+MAX_INPUT_BYTES = 256 * 2**20
+"""Largest file moeplan reads as text: 256 MiB (a plan of the 718B on 6144 devices is a few MiB)."""
+
+
 def read_text(path: str | Path, *, field: str, error: type[MoeplanError]) -> str:
     """The UTF-8 text of ``path``. Raises ``error`` with one line, ``{field}='{path}': ...``, when the file cannot be
-    read or is not UTF-8 text."""
+    read, is not a regular file (a FIFO would block the read forever, ``/dev/zero`` fill the memory; a symlink is
+    followed), is larger than :data:`MAX_INPUT_BYTES` or is not UTF-8 text."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a folder" if stat.S_ISDIR(st.st_mode) else _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise error(f"{field}={str(path)!r}: is {kind}; moeplan reads only regular files")
+        with open(path, "rb") as f:
+            data = f.read(MAX_INPUT_BYTES + 1)
     except OSError as e:
         raise error(f"{field}={str(path)!r}: cannot read ({e.strerror or e})") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise error(f"{field}={str(path)!r}: larger than {MAX_INPUT_BYTES // 2**20} MiB; moeplan's files are far "
+                    f"smaller (docs/inputs.md)")
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise error(f"{field}={str(path)!r}: not a text file (byte {e.start} is not UTF-8)") from None
 

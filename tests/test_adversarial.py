@@ -38,6 +38,21 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
 
 
+def test_an_input_that_is_not_a_regular_file_is_refused_at_once(tmp_path):
+    """A FIFO as model file blocked forever, a ``.yaml`` symlink to /dev/zero read until memory ran out; a file
+    larger than any of moeplan's is refused from its first 256 MiB."""
+    from moeplan.files import MAX_INPUT_BYTES
+
+    fifo, zero, huge = tmp_path / "fifo.yaml", tmp_path / "zero.yaml", tmp_path / "huge.yaml"
+    os.mkfifo(fifo)
+    zero.symlink_to("/dev/zero")
+    with open(huge, "wb") as f:
+        f.truncate(MAX_INPUT_BYTES + 1)  # sparse: nothing written
+    for path, says in ((fifo, "is a FIFO"), (zero, "is a character device"), (huge, "larger than 256 MiB")):
+        proc = run_moeplan("describe", path)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+
+
 def test_a_read_only_file_is_kept(tmp_path):
     """Also as root, whom the file system would let replace it: the mode says read-only."""
     out = tmp_path / "plan.yaml"

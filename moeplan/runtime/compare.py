@@ -64,6 +64,7 @@ from pathlib import Path
 
 from moeplan.actions import parse_action
 from moeplan.errors import PlanError
+from moeplan.files import read_text
 from moeplan.ir import kind_of
 from moeplan.plan import Plan
 from moeplan.render import plural
@@ -98,10 +99,7 @@ class Row:
 def read_records(path: str | Path) -> list[StepRecord]:
     """The step records of a metrics JSONL file; PlanError (one line) for a missing or malformed file."""
     path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise PlanError(f"metrics={str(path)!r}: cannot read ({e.strerror})") from None
+    lines = read_text(path, field="metrics", error=PlanError).splitlines()  # a FIFO or a device is refused
     records = []
     for n, ln in enumerate(lines, 1):
         if not ln.strip():
