@@ -63,6 +63,7 @@ def run_layout(name: str, *, workdir: Path, steps: int) -> dict:
 
     plan_path, metrics = workdir / f"{name}.yaml", workdir / f"{name}.jsonl"
     moeplan_cli("compile", "tiny-pangu", "--target", "cpu", *BASE, *LAYOUTS[name], "-o", str(plan_path))
+    metrics.unlink(missing_ok=True)  # this script's own file: `moeplan run` keeps an earlier run's lines
     moeplan_cli("run", str(plan_path), "--steps", str(steps), "--metrics", str(metrics), "--force-balanced-routing")
     rows = {r["quantity"]: r for r in json.loads(moeplan_cli("compare", str(plan_path), str(metrics), "--json"))}
     plan = yaml.safe_load(plan_path.read_text())

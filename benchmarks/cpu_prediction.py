@@ -66,6 +66,7 @@ def compile_layout(name: str, *, target: str, workdir: Path) -> Path:
 
 def measure(plan: Path, metrics: Path, *, steps: int, balanced: bool) -> dict[str, dict]:
     """Run a plan once and compare: the rows of ``moeplan compare --json`` by quantity."""
+    metrics.unlink(missing_ok=True)  # this script's own file: `moeplan run` keeps an earlier run's lines
     moeplan_cli("run", str(plan), "--steps", str(steps), "--meter-every", "5", "--metrics", str(metrics),
                 *(("--force-balanced-routing",) if balanced else ()))
     return {r["quantity"]: r for r in json.loads(moeplan_cli("compare", str(plan), str(metrics), "--json"))}

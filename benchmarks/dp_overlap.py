@@ -43,6 +43,7 @@ def measure(name: str, overlap: str, *, target: str, steps: int, warmup: int, wo
     plan, metrics = workdir / f"{name}-{overlap}.yaml", workdir / f"{name}-{overlap}.jsonl"
     moeplan_cli("compile", "tiny-pangu", "--target", target, "--global-batch", "8", "--seq-len", "64", *LAYOUTS[name],
          "--overlap", overlap, "-o", str(plan))
+    metrics.unlink(missing_ok=True)  # this script's own file: `moeplan run` keeps an earlier run's lines
     moeplan_cli("run", str(plan), "--steps", str(steps), "--metrics", str(metrics))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     kept = records[warmup:]

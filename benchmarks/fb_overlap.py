@@ -46,6 +46,7 @@ def measure(plan: Path, metrics: Path, *, steps: int, warmup: int, balanced: boo
     step (seconds, mean over ranks)."""
     from moeplan.runtime.compare import read_records
 
+    metrics.unlink(missing_ok=True)  # this script's own file: `moeplan run` keeps an earlier run's lines
     moeplan_cli("run", str(plan), "--steps", str(steps), "--meter-every", "1", "--metrics", str(metrics),
                 *(("--force-balanced-routing",) if balanced else ()))
     records = [r for r in read_records(metrics) if r.step > warmup]

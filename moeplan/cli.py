@@ -346,6 +346,10 @@ def run_cmd(
         out.print(command, markup=False, highlight=False, soft_wrap=True)
         return
     check_runnable(plan)
+    old_lines = request.metrics and not resume and os.path.isfile(request.metrics) and os.path.getsize(request.metrics)
+    if old_lines:  # a fresh run would delete it: an earlier run's measurements are the user's
+        raise PlanError(f"metrics={metrics!r}: holds an earlier run's lines, which a fresh run would delete; name "
+                        f"another file, remove it, or --resume that run")
     if data is None and plan.model.spec.vocab_size < BYTE_VOCAB:
         raise PlanError(f"model.spec.vocab_size={plan.model.spec.vocab_size}: byte-level stdlib data needs "
                         f">= {BYTE_VOCAB}; pass --data")

@@ -89,6 +89,16 @@ def plan(tmp_path_factory) -> Path:
     return path
 
 
+def test_a_fresh_run_keeps_an_earlier_runs_metrics(plan, tmp_path):
+    """A fresh run deleted an existing --metrics file (an earlier run's measurements); it is refused before launch
+    now. ``--resume`` keeps the file's lines up to the checkpoint, as before."""
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 1}\n')
+    proc = run_moeplan("run", plan, "--steps", "2", "--metrics", metrics)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "holds an earlier run's lines" in proc.stderr and metrics.read_text() == '{"step": 1}\n'
+
+
 def test_outputs_are_checked_before_the_work(plan, tmp_path, monkeypatch):
     """``timeline -o X --png nodir/g.png`` wrote X, then refused the PNG; ``calibrate -o nodir/t.yaml`` measured
     for a minute, then refused to write. Both now refuse first: every output or none."""
