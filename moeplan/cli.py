@@ -445,15 +445,18 @@ def calibrate_cmd(target: str = typer.Option("cpu", "--target", help="base targe
 @app.command("diff")
 def diff_cmd(plan_a: str = typer.Argument(..., metavar="A", help="the plan YAML to compare against"),
              plan_b: str = typer.Argument(..., metavar="B", help="the plan YAML whose differences are shown"),
+             summary: bool = typer.Option(False, "--summary", help="the prediction, then one line per other "
+                                                                    "section: how many of its rows differ"),
              as_json: bool = typer.Option(False, "--json", help="print the differences as JSON")) -> None:
-    """Differences of plan B from plan A: model, layout, stages, memory, schedule, comm and prediction."""
+    """Differences of plan B from plan A: the prediction first, then model, layout, stages, memory, schedule and
+    comm."""
     from moeplan.diff import diff_json, diff_plans, load_side, render_diff
 
     d = diff_plans(load_side(plan_a, "A"), load_side(plan_b, "B"), label_a=plan_a, label_b=plan_b)
     if as_json:
         out.print_json(json.dumps(diff_json(d)))
         return
-    render_diff(out, d)
+    render_diff(out, d, summary=summary)
 
 
 @app.command("inspect")

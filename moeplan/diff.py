@@ -288,16 +288,23 @@ def diff_json(d: PlanDiff) -> dict:
             "sections": [{"name": s.name, "rows": [asdict(r) for r in s.rows]} for s in d.sections]}
 
 
-def render_diff(console: Console, d: PlanDiff) -> None:
-    """Print ``d``: the warnings, then one rich table per section (field with its unit, A, B, change, better), or
-    one line when the plans are equal."""
+def render_diff(console: Console, d: PlanDiff, *, summary: bool = False) -> None:
+    """Print ``d``: the warnings, the prediction section first (what a reader wants to know: which plan is faster,
+    by how much, in how much memory), then one rich table per other section (field with its unit, A, B, change,
+    better), or one line when the plans are equal. ``summary``: the prediction, then one line per other section
+    with the number of its rows that differ (a 718B stage split moves hundreds of layers)."""
     console.print(Text(f"A: {d.a}\nB: {d.b}"))
     for w in d.warnings:
         console.print(Text(f"warning: {w}", style="yellow"))
     if d.equal:
         console.print(f"plans are equal (floats within a relative tolerance of {REL_TOL:g})")
         return
-    for s in d.sections:
+    first = sorted(d.sections, key=lambda s: s.name != "prediction")
+    for s in first:
+        if summary and s.name != "prediction":
+            console.print(Text(f"{s.name}: {len(s.rows)} row{'s' * (len(s.rows) != 1)} differ "
+                               f"(`moeplan diff` without --summary lists them)"))
+            continue
         t = Table(title=s.name)
         for col in ("field", "A", "B", "change (B vs A)"):
             t.add_column(col)

@@ -107,6 +107,14 @@ def test_json_carries_the_same_rows(pp2, files):
     assert {r["field"] for r in layout["rows"]} >= {"pp", "dp"}
     table = moeplan("diff", str(files / "a.yaml"), str(files / "b.yaml"))
     assert table.returncode == 0 and "step time (s)" in table.stdout and "layout" in table.stdout
+    # the prediction comes first, before the stage moves (hundreds of lines on the 718B); --summary stops there
+    assert table.stdout.index("step time (s)") < table.stdout.index("pp 0 chunk 0")
+    short = moeplan("diff", str(files / "a.yaml"), str(files / "b.yaml"), "--summary").stdout
+    assert "step time (s)" in short and "pp 0 chunk 0" not in short
+    counts = {s["name"]: len(s["rows"]) for s in data["sections"] if s["name"] != "prediction"}
+    assert [line for line in short.splitlines() if " row" in line and "differ" in line] == [
+        f"{name}: {n} row{'s' * (n != 1)} differ (`moeplan diff` without --summary lists them)"
+        for name, n in counts.items()]
 
 
 def test_different_models_are_diffed_with_a_warning(pp2, make_spec):
