@@ -278,6 +278,7 @@ def schema_cmd() -> None:
 
 @app.command("run")
 def run_cmd(
+    ctx: typer.Context,
     plan_path: str = typer.Argument(..., metavar="PLAN", help="a plan YAML of `moeplan compile`"),
     steps: int = typer.Option(..., "--steps", help="training steps to run (in total, when resuming)"),
     metrics: Optional[str] = typer.Option(None, "--metrics", help="write one JSON line per step here"),
@@ -363,6 +364,8 @@ def run_cmd(
         err.print(f"moeplan run: {e}", markup=False)
         raise typer.Exit(e.exit_code)
     except RunFailed as e:
+        if e.traceback and getattr(ctx.obj, "debug", False):  # moeplan --debug run: the failed rank's traceback
+            err.print(e.traceback.rstrip(), markup=False, highlight=False)
         err.print(f"error: {e}", markup=False)
         raise typer.Exit(1)
 

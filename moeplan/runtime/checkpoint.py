@@ -89,8 +89,11 @@ def checkpoint_lock(root: str | Path) -> Iterator[None]:
             holder = os.read(fd, 32).decode(errors="replace").strip()
             raise PlanError(f"checkpoint_dir={str(root)!r}: another moeplan run (pid {holder or '?'}) is using it; "
                             f"give each run its own folder") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+        except OSError as e:  # a full disk: refused before launch, not an internal error
+            raise PlanError(f"checkpoint_dir={str(root)!r}: cannot use it ({e.strerror or e})") from None
         yield
     finally:
         os.close(fd)
@@ -112,7 +115,11 @@ def save_checkpoint(state: dict[str, torch.Tensor], *, root: str | Path, step: i
     dist.barrier()
     import torch.distributed.checkpoint as dcp  # here, not at the top: 1 s of every rank's start-up (DTensor, sympy)
 
-    dcp.save(state, checkpoint_id=str(tmp))
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+    except dcp.api.CheckpointException as e:  # a BaseException: neither torch elastic's report nor ours took it
+        need = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+        raise write_error(e, root=root, step=step, need_bytes=need, free_bytes=shutil.disk_usage(root).free) from None
     dist.barrier()
     if dist.get_rank() == 0:
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
@@ -230,4 +237,36 @@ def load_checkpoint(state: dict[str, torch.Tensor], ref: CheckpointRef, *, layou
         raise PlanError(error[0])
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, storage_reader=_verified_reader(ref.path))
+    try:
+        dcp.load(state, storage_reader=_verified_reader(ref.path))
+    except dcp.api.CheckpointException as e:
+        raise CheckpointError(f"checkpoint {str(ref.path)!r}: cannot be read: {_first_cause(e)}") from None
+
+
+class CheckpointError(RuntimeError):
+    """A rank could not write or read a checkpoint: the first cause of torch's CheckpointException (a BaseException,
+    which torch elastic's error report does not take) in one line, ``OSError: [Errno 28] No space left on device``,
+    with the step and the folder."""
+
+
+def write_error(e: BaseException, *, root: Path, step: int, need_bytes: int, free_bytes: int) -> CheckpointError:
+    """The one-line error of a failed checkpoint write: the step, the folder and the cause. When the file system has
+    less room than this rank's part (``need_bytes``), the cause is a full disk, whatever torch says: its zip writer
+    can fail on a short write with ``unexpected pos 704 vs 598`` instead of the OSError."""
+    cause = _first_cause(e)
+    if free_bytes < need_bytes:
+        cause = (f"No space left on device: the file system has {free_bytes:,} bytes free, this rank's part is "
+                 f"{need_bytes:,} bytes ({cause})")
+    return CheckpointError(f"checkpoint of step {step} into {str(root)!r}: {cause}")
+
+
+def _first_cause(e: BaseException) -> str:
+    """The cause in a torch ``CheckpointException``, as ``Type: message``: an OSError of the lowest rank that had one
+    (it names the errno: a full disk makes other ranks fail inside torch's zip writer, ``unexpected pos``), else the
+    lowest rank's exception."""
+    failures = getattr(e, "failures", {}) or {}
+    if not failures:
+        return str(e).strip().splitlines()[-1]
+    excs = [failures[r][0] for r in sorted(failures)]
+    exc = next((x for x in excs if isinstance(x, OSError)), excs[0])
+    return f"{type(exc).__name__}: {exc}"

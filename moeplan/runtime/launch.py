@@ -37,6 +37,7 @@ from moeplan.actions import parse_action
 from moeplan.errors import MoeplanError, PlanError
 from moeplan.mechanisms import runtime_mechanisms
 from moeplan.plan import Plan
+from moeplan.runtime import heartbeat
 from moeplan.runtime.groups import check_layout_for_runtime
 from moeplan.runtime.request import RunRequest
 
@@ -44,7 +45,12 @@ DIST_BACKEND = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
 class RunFailed(MoeplanError):
-    """A rank of a launched run failed; the message names the rank and why."""
+    """A rank of a launched run failed; the message names the rank and why in one line, ``traceback`` is that rank's
+    (from its error report; ``moeplan --debug run`` prints it), empty when there is none."""
+
+    def __init__(self, message: str, traceback: str = "") -> None:
+        super().__init__(message)
+        self.traceback = traceback
 
 
 class RunInterrupted(RunFailed):
@@ -221,13 +227,35 @@ def _casualty(failure) -> bool:
     return failure.exitcode == -signal.SIGTERM or any(m in str(failure.message).lower() for m in _PEER_LOST)
 
 
+def _first_failure(error: Exception) -> RunFailed:
+    """:func:`_failure_line` with the failed rank's traceback (from its error report; empty without one)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    stack = ""
+    if isinstance(error, ChildFailedError):
+        data = _report(_first(error)[1])
+        stack = str(data.get("extraInfo", {}).get("py_callstack", "")) if isinstance(data, dict) else ""
+    return RunFailed(_failure_line(error), stack)
+
+
+def _first(error) -> tuple[int, object]:
+    """(rank, failure) of the failed rank that is not a casualty of another (:func:`_casualty`): the earliest, then
+    the lowest rank."""
+    return min(error.failures.items(), key=lambda kv: (_casualty(kv[1]), kv[1].timestamp, kv[0]))
+
+
+def _report(failure) -> object:
+    """The ``message`` of a failure's error report (a dict), or None."""
+    return failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+
+
 def _failure_line(error: Exception) -> str:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if not isinstance(error, ChildFailedError):
         return f"launch failed: {error}"
-    rank, failure = min(error.failures.items(), key=lambda kv: (_casualty(kv[1]), kv[1].timestamp, kv[0]))
-    data = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+    rank, failure = _first(error)
+    data = _report(failure)
     if isinstance(data, dict):
         reason = str(data.get("message", "")).strip().splitlines()[-1:] or [""]
         why = reason[0]
@@ -262,21 +290,27 @@ def launch_local(plan: Plan, request: RunRequest) -> None:
         logger = logger.parent if logger.propagate else None
     for handler in handlers:
         handler.addFilter(quiet)
+    dog = None
     try:
         with tempfile.TemporaryDirectory(prefix="moeplan-run-") as logs:
             config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=plan.layout.num_devices,
                                   run_id=str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint="localhost:0",
                                   max_restarts=0, monitor_interval=0.1, start_method="spawn",
                                   logs_specs=DefaultLogsSpecs(log_dir=logs))
-            # the request as one JSON argument (moeplan.runtime.request): the worker validates it back
-            elastic_launch(config, entrypoint=sys.executable)("-m", "moeplan.runtime.worker",
-                                                              request.model_dump_json())
+            beats = os.path.join(logs, "heartbeats")
+            os.mkdir(beats)
+            os.environ[heartbeat.ENV] = beats  # inherited by every rank (moeplan.runtime.heartbeat)
+            with heartbeat.Watchdog(beats, stale_after=heartbeat.stale_after_s(request.timeout_s)) as dog:
+                # the request as one JSON argument (moeplan.runtime.request): the worker validates it back
+                elastic_launch(config, entrypoint=sys.executable)("-m", "moeplan.runtime.worker",
+                                                                  request.model_dump_json())
     except ChildFailedError as e:
-        raise RunFailed(_failure_line(e)) from None
+        raise (RunFailed(dog.found) if dog is not None and dog.found else _first_failure(e)) from None
     except SignalException as e:
         raise RunInterrupted(e.sigval, request.checkpoint_dir) from None
     except KeyboardInterrupt:  # Ctrl-C before the agent installed its signal handlers; its shutdown stopped the ranks
         raise RunInterrupted(signal.SIGINT, request.checkpoint_dir) from None
     finally:
+        os.environ.pop(heartbeat.ENV, None)
         for handler in handlers:
             handler.removeFilter(quiet)

@@ -66,6 +66,7 @@ from moeplan.runtime.executor import PipelineExecutor, has_pairs, layer_calls
 from moeplan.runtime.expert_parallel import ParallelMoE, ParallelRouter
 from moeplan.runtime.groups import ParallelGroups, RankCoords, make_groups, make_stream_groups
 from moeplan.runtime.launch import DIST_BACKEND, check_runnable, pin_to_cpu
+from moeplan.runtime.heartbeat import ENV as HEARTBEAT_ENV, start_beating
 from moeplan.runtime.metrics import (CommTotals, LoadMeter, RankStep, SavedActivationMeter, StepRecord,
                                      model_state_bytes, rank_step_from_vector, rank_step_vector)
 from moeplan.runtime.optimizer import (DistributedAdamW, OptimConfig, ReplicatedGrads, TiedGrads, param_entries,
@@ -317,6 +318,7 @@ def main(request: RunRequest | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    start_beating(rank)  # a local run's launcher watches the beats (moeplan.runtime.heartbeat)
     if plan.target.backend == "cpu" and not request.no_pin:  # before the process group starts its threads
         pin_to_cpu(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     device = device_for(plan.target.backend, local_rank)
@@ -359,9 +361,15 @@ class AtomicErrorHandler(ErrorHandler):
 
 def run_rank(request: RunRequest | None = None) -> int | None:
     """:func:`main` as one rank of a torch elastic run (``moeplan run`` locally, or ``torchrun``): an exception is
-    reported in the agent's error file (:class:`AtomicErrorHandler`) and re-raised; SIGINT exits quietly."""
+    reported in the agent's error file (:class:`AtomicErrorHandler`) and re-raised, or, in a local run, ends the
+    rank with exit code 1 (the launcher prints one line for the run); SIGINT exits quietly."""
     exit_on_interrupt()
-    return record(main, error_handler=AtomicErrorHandler())(request)
+    try:
+        return record(main, error_handler=AtomicErrorHandler())(request)
+    except Exception:
+        if os.environ.get(HEARTBEAT_ENV):  # a local run: its launcher reports the first failure in one line (and its
+            return 1  # traceback under `moeplan --debug run`), not every rank a traceback; torchrun prints them
+        raise
 
 
 if __name__ == "__main__":

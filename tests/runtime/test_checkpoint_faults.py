@@ -112,6 +112,7 @@ def test_killed_rank_stops_every_rank_and_resume_reproduces_losses(setup, uninte
             launcher.kill()
     assert launcher.returncode != 0 and took < 60
     assert "rank 1 failed" in stderr and "SIGKILL" in stderr, stderr
+    assert "Traceback" not in stderr and "[rank" not in stderr, stderr  # one line, not every casualty's traceback
     assert all(not Path(f"/proc/{p}").exists() or "Z" in Path(f"/proc/{p}/stat").read_text().split()[2]
                for p in workers)
     ref = newest_checkpoint(ck)
@@ -124,6 +125,38 @@ def test_killed_rank_stops_every_rank_and_resume_reproduces_losses(setup, uninte
     got = losses(metrics)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert [got[s] for s in range(ref.step + 1, STEPS + 1)] == [uninterrupted[s] for s in range(ref.step + 1, STEPS + 1)]
+
+
+def test_a_stopped_rank_is_found_by_its_heartbeat(setup):
+    """SIGSTOP of one rank: the others waited out the collective timeout and the launcher blamed one of them, after
+    91.6 s. The launcher's watchdog now kills the rank whose heartbeat stopped (moeplan.runtime.heartbeat) and names
+    it, in one line; with --timeout 20 it has 10 s to see it."""
+    metrics = setup / "stopped.jsonl"
+    launcher = subprocess.Popen([sys.executable, "-m", "moeplan.cli", "run", str(setup / "plan.yaml"), "--data",
+                                 str(setup / "tokens.npy"), "--metrics", str(metrics), "--steps", "100000",
+                                 "--timeout", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        pid = None
+        while pid is None:
+            assert launcher.poll() is None and time.monotonic() < deadline, "workers did not start"
+            pid = worker_pid(launcher.pid, 1)
+            time.sleep(0.05)
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert launcher.poll() is None and time.monotonic() < deadline, "run did not reach step 2"
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _, stderr = launcher.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert launcher.returncode == 1 and took < 30, (took, stderr)
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1 stopped: no heartbeat for 1"), stderr
+    assert "Traceback" not in stderr and "[rank" not in stderr, stderr
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
 def test_resume_from_another_layout_is_refused(setup, uninterrupted):
@@ -310,3 +343,31 @@ def test_a_rank_stopped_while_reporting_leaves_no_half_report(tmp_path, monkeypa
     monkeypatch.undo()
     with pytest.raises(json.JSONDecodeError):
         ProcessFailure(local_rank=0, pid=10, exitcode=-signal.SIGTERM, error_file=str(report))
+
+
+def test_a_full_disk_is_named_in_the_runs_one_line():
+    """A checkpoint onto a full disk: torch's CheckpointException (a BaseException, which torch elastic's error
+    report skips) ended the rank with a bare "exit code 1" under a flood of tracebacks, and its zip writer can report
+    the short write as ``unexpected pos``. Checked by hand on a 200 KiB tmpfs: 'error: rank 1 failed:
+    CheckpointError: checkpoint of step 2 into '/tmp/full/ck': No space left on device: the file system has 0
+    bytes free, this rank's part is 2,469,416 bytes (RuntimeError: ... unexpected pos 704 vs 598)'."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from moeplan.runtime.checkpoint import write_error
+
+    def failed(exc: BaseException) -> BaseException:
+        try:
+            raise exc
+        except BaseException as e:  # noqa: BLE001 - wrapped as torch wraps each rank's failure
+            return e
+
+    zip_short = failed(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))
+    enospc = failed(OSError(28, "No space left on device"))
+    e = CheckpointException("write", {0: _wrap_exception(zip_short), 1: _wrap_exception(enospc)})
+    full = str(write_error(e, root=Path("/ck"), step=2, need_bytes=100, free_bytes=0))
+    assert full == ("checkpoint of step 2 into '/ck': No space left on device: the file system has 0 bytes free, "
+                    "this rank's part is 100 bytes (OSError: [Errno 28] No space left on device)")
+    other = str(write_error(CheckpointException("write", {0: _wrap_exception(zip_short)}), root=Path("/ck"), step=2,
+                            need_bytes=100, free_bytes=10**9))
+    assert other == "checkpoint of step 2 into '/ck': RuntimeError: [enforce fail at inline_container.cc:672] . " \
+                    "unexpected pos 704 vs 598"
