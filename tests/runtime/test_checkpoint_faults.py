@@ -211,9 +211,14 @@ def _extra_file(folder: Path) -> None:
     (folder / "__9_0.distcp").write_bytes(b"x")
 
 
+def _garbage_manifest(folder: Path) -> None:
+    (folder / "moeplan.json").write_text("{not json")
+
+
 @pytest.mark.parametrize("change, says", [(_flip_byte, "does not match its sha256"),
                                           (_truncate, "does not match its sha256"),
-                                          (_extra_file, "__9_0.distcp is not in moeplan.json")])
+                                          (_extra_file, "__9_0.distcp is not in moeplan.json"),
+                                          (_garbage_manifest, "moeplan.json is not readable JSON")])
 def test_a_damaged_checkpoint_is_refused_before_launch(setup, uninterrupted, tmp_path, change, says):
     proc = _resume(setup, _tampered(setup, tmp_path, change))
     lines = proc.stderr.strip().splitlines()
