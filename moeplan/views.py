@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.rule import Rule
 from rich.table import Table
@@ -181,6 +182,21 @@ def _bar(parts: list[tuple[float, str]], budget: float, width: int = 16) -> Text
     return out
 
 
+WIDE_MEMORY_COLUMNS = 150
+"""Columns from which the memory view lists every term (docs/memory.md); below, the compact table of three sums
+(what fits 80 columns: the 718B's memory view collapsed to columns of "2…" there)."""
+
+
+class ByWidth:
+    """A renderable that is ``wide`` on a console of at least ``min_width`` columns, else ``narrow``."""
+
+    def __init__(self, wide: RenderableType, narrow: RenderableType, min_width: int) -> None:
+        self.wide, self.narrow, self.min_width = wide, narrow, min_width
+
+    def __rich_console__(self, console: Console, options):  # noqa: ANN201 - rich's protocol
+        yield self.wide if options.max_width >= self.min_width else self.narrow
+
+
 def memory(plan: Plan) -> Group:
     """Per PP rank: model states (params, grads, optimizer) vs activations vs workspace against the budget, the
     recompute mode and in-flight micro-batches; the memory solver's status per rank; for the per-tensor modes
@@ -204,7 +220,22 @@ def memory(plan: Plan) -> Group:
         t.add_row(str(m.pp_rank), m.recompute, *cells, f"{m.total_bytes / scale:.2f}",
                   Text(f"{m.total_bytes / budget:.0%}", style="bold red" if m.total_bytes > budget else ""),
                   _bar([(states, "blue"), (acts, "green"), (m.total_bytes - states - acts, "yellow")], budget))
-    parts: list[RenderableType] = [t]
+    n = PlainTable(title=f"memory per device in {unit} (budget {budget / scale:.2f} {unit}; recompute asked: "
+                         f"{mem.recompute})", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
+                   caption="states: params + grads + optimizer █ blue; activations and working set █ green; other: "
+                           "workspace, buffers, runtime, allocator █ yellow; a wider terminal shows every term")
+    for col in ("pp", "recompute", "states", "activations", "other", "total", "budget", ""):
+        n.add_column(col, no_wrap=True, justify="left" if col in ("recompute", "") else "right")
+    for m in mem.ranks:
+        states = m.params_bytes + m.grads_bytes + m.optimizer_bytes
+        acts = m.activation_bytes + m.working_set_bytes
+        other = m.total_bytes - states - acts
+        n.add_row(str(m.pp_rank), m.recompute, f"{states / scale:.2f}",
+                  f"{acts / scale:.2f} ({m.in_flight_microbatches} mb)", f"{other / scale:.2f}",
+                  f"{m.total_bytes / scale:.2f}",
+                  Text(f"{m.total_bytes / budget:.0%}", style="bold red" if m.total_bytes > budget else ""),
+                  _bar([(states, "blue"), (acts, "green"), (other, "yellow")], budget, width=10))
+    parts: list[RenderableType] = [ByWidth(t, n, WIDE_MEMORY_COLUMNS)]
     solved = [m for m in mem.ranks if m.solve_status]
     if solved:
         s = PlainTable(title="memory solver (per-tensor modes, moeplan/memory_ilp.py)")

@@ -238,3 +238,21 @@ def test_plan_text_is_printed_as_it_is_never_as_markup(plan, tmp_path):
     for args in (("describe", model), ("compile", model, "--target", "cpu", "--devices", "2")):
         proc = run_moeplan(*args)
         assert proc.returncode == 0 and proc.stdout.startswith(odd), proc.stderr
+
+
+def test_the_memory_view_fits_80_columns(plan):
+    """At 80 columns the view of every memory term collapsed to cells of "2…"; below 150 columns it is three sums
+    (states, activations, other) with the total, and every term from 150 on."""
+    import io
+
+    from rich.console import Console
+
+    for width, terms in ((80, False), (200, True)):
+        buf = io.StringIO()
+        Console(file=buf, width=width, color_system=None).print(views.memory(plan))
+        text = buf.getvalue()
+        rows = [line for line in text.splitlines() if " mb)" in line]  # one per PP rank, the term cells whole
+        assert len(rows) == len(plan.memory.ranks) and not any("…" in line for line in rows), text
+        assert max(map(len, text.splitlines())) <= width and ("gathered" in text) == terms  # a wide-only column
+        unit, scale = views.unit_of(max(m.total_bytes for m in plan.memory.ranks))
+        assert all(f"{m.total_bytes / scale:.2f}" in text for m in plan.memory.ranks), width
