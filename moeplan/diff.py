@@ -302,8 +302,7 @@ def render_diff(console: Console, d: PlanDiff, *, summary: bool = False) -> None
     first = sorted(d.sections, key=lambda s: s.name != "prediction")
     for s in first:
         if summary and s.name != "prediction":
-            console.print(Text(f"{s.name}: {len(s.rows)} row{'s' * (len(s.rows) != 1)} differ "
-                               f"(`moeplan diff` without --summary lists them)"))
+            console.print(Text(f"{s.name}: {len(s.rows)} row{'s' * (len(s.rows) != 1)} differ"), soft_wrap=True)
             continue
         t = Table(title=s.name)
         for col in ("field", "A", "B", "change (B vs A)"):
@@ -315,3 +314,5 @@ def render_diff(console: Console, d: PlanDiff, *, summary: bool = False) -> None
             cells = [f"{r.field} ({r.unit})" if r.unit else r.field, fmt(r.a), fmt(r.b), r.change]
             t.add_row(*map(Text, cells + ([r.better or ""] if ranked else [])))
         console.print(t)
+    if summary and any(s.name != "prediction" for s in first):
+        console.print("(`moeplan diff` without --summary lists the rows)", soft_wrap=True)
