@@ -2,7 +2,8 @@
 
 Keys: ``1``–``5`` or tab / shift+tab switch views, ``?`` opens the help, ``q`` quits; on the timeline ``+`` / ``-``
 zoom, ←/→ (or ``h``/``l``) pan, ``home`` shows the whole step, ↑/↓ scroll the lanes. The timeline is simulated the
-first time its tab opens, in a worker thread (seconds on a 718B plan). Imported only by the CLI command.
+first time its tab opens, in a worker thread (about 20 s on the 718B plan, docs/inspect.md). Imported only by the
+CLI command.
 """
 from __future__ import annotations
 
