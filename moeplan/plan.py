@@ -136,6 +136,15 @@ class PlanStages(_Frozen):
         """PP rank that holds pipeline stage ``stage`` (:func:`moeplan.actions.stage_rank`)."""
         return stage_rank(stage, pp=len(self.chunks), placement=self.placement)
 
+    def by_stage(self) -> list[list[str]]:
+        """Layer names of each pipeline stage, indexed by stage id (:meth:`stage_of`); ``chunks`` must hold the same
+        number of chunks on every rank (``check_plan`` checks it first)."""
+        out: list[list[str]] = [[] for _ in range(sum(map(len, self.chunks)))]
+        for r, chunks in enumerate(self.chunks):
+            for c, names in enumerate(chunks):
+                out[self.stage_of(r, c)] = list(names)
+        return out
+
 
 class PlanCollective(_Frozen):
     """One collective as priced, per rank."""

@@ -64,9 +64,7 @@ def _check_layers(plan: Plan) -> None:
     if missing:
         raise PlanError(f"stages: layer {missing[0]!r} is on no pp rank")
     at = {n: i for i, n in enumerate(order)}
-    by_stage = {plan.stages.stage_of(r, c): names for r, chunks in enumerate(plan.stages.chunks)
-                for c, names in enumerate(chunks)}
-    placed = [n for s in sorted(by_stage) for n in by_stage[s] if n in at]
+    placed = [n for names in plan.stages.by_stage() for n in names if n in at]
     for before, n in zip(placed, placed[1:]):
         if at[n] < at[before]:
             raise PlanError(f"stages: layer {n!r} comes after {before!r} along the stages; each stage holds a "

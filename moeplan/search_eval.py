@@ -61,9 +61,9 @@ def _evaluate(args: tuple[Layout, Strategy, Pipeline, bool, float]) -> Evaluated
         try:
             state, timings = run_pipeline(PlanState(graph=graph, target=target, layout=layout, strategy=attempt),
                                           passes)
-            refused = _runtime_refusals(state)
-            if refused:  # a combination the target's runtime refuses once the recompute modes are chosen
-                error = Rejection("runtime", None, refused)
+            refused = _runtime_rejection(state)
+            if refused is not None:  # a combination the target's runtime refuses once the recompute modes are chosen
+                error = refused
                 continue
             if simulate is not None and state.memory is not None:
                 bound = plan_bound(state)
@@ -276,16 +276,19 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _runtime_refusals(state: PlanState) -> str | None:
+def _runtime_rejection(state: PlanState) -> Rejection | None:
     """The first overlap mechanism of ``state`` its target's runtime refuses now that the memory pass has chosen
-    the recompute modes (moeplan/runtimes.py), as a message; None when it runs them all, or has no name."""
+    the recompute modes (moeplan/runtimes.py), as a ``runtime`` rejection; None when it runs them all, or has no
+    name."""
     rt = RUNTIMES.get(state.target.runtime.name or "")
     if rt is None or state.memory is None:
         return None
     st = state.strategy
     found = rt.refusals(Setup.of(state.layout, st.schedule, st.dispatcher, st.overlap,
                                  tuple(m.recompute for m in state.memory.stages)))
-    return f"runtime: {rt.title} refuses overlap {found[0].mechanism}: {found[0].reason}" if found else None
+    if not found:
+        return None
+    return Rejection("runtime", None, f"runtime: {rt.title} refuses overlap {found[0].mechanism}: {found[0].reason}")
 
 
 class _Pool:

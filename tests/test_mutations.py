@@ -58,10 +58,8 @@ def base() -> tuple[Plan, dict]:
 
 def training(plan: Plan) -> tuple:
     """What decides a plan's losses: the model, the batch and the model's layers in order along the stages."""
-    by_stage = {plan.stages.stage_of(r, c): names for r, chunks in enumerate(plan.stages.chunks)
-                for c, names in enumerate(chunks)}
     layers = {n for n, _ in named_layers(plan.model.spec)}
-    order = tuple(n for s in sorted(by_stage) for n in by_stage[s] if n in layers)
+    order = tuple(n for names in plan.stages.by_stage() for n in names if n in layers)
     return plan.model.spec, plan.layout.global_batch, plan.layout.seq_len, order
 
 

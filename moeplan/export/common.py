@@ -23,12 +23,7 @@ WHOLE_LAYER = ("none", "selective", "full")  # weakest first
 def pipeline_stages(plan: Plan) -> list[list[str]]:
     """Layer names of each pipeline stage, indexed by stage id (``PlanStages``: ``c·pp + r`` for the loop
     placement; ``r`` and ``2·pp − 1 − r`` for the ``v`` placement)."""
-    lay = plan.layout
-    stages: list[list[str]] = [[] for _ in range(lay.pp * lay.vpp)]
-    for r, chunks in enumerate(plan.stages.chunks):
-        for c, names in enumerate(chunks):
-            stages[plan.stages.stage_of(r, c)] = list(names)
-    return stages
+    return plan.stages.by_stage()
 
 
 def _is_slot(name: str) -> bool:

@@ -68,6 +68,21 @@ def worker_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
+def run_until(launcher: subprocess.Popen, metrics: Path, *, ranks: tuple[int, ...], steps: int) -> list[int]:
+    """The worker pids of ``ranks`` under ``launcher`` (a ``moeplan run``), once ``metrics`` holds ``steps`` lines;
+    fails when the run ends first or after 120 s."""
+    deadline = time.monotonic() + 120
+    pids: list[int | None] = [None] * len(ranks)
+    while None in pids:  # find the workers first: scanning /proc is slow next to a step
+        assert launcher.poll() is None and time.monotonic() < deadline, "workers did not start"
+        pids = [worker_pid(launcher.pid, r) for r in ranks]
+        time.sleep(0.05)
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert launcher.poll() is None and time.monotonic() < deadline, f"run did not reach step {steps}"
+        time.sleep(0.002)  # a step takes tens of ms
+    return pids  # type: ignore[return-value]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
@@ -93,15 +108,7 @@ def test_killed_rank_stops_every_rank_and_resume_reproduces_losses(setup, uninte
             "--metrics", str(metrics), "--checkpoint-every", "2", "--checkpoint-dir", str(ck)]
     launcher = subprocess.Popen([*args, "--steps", "1000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        workers: list[int | None] = [None, None]
-        while None in workers:  # find both workers first: scanning /proc is slow next to a step
-            assert launcher.poll() is None and time.monotonic() < deadline, "workers did not start"
-            workers = [worker_pid(launcher.pid, 0), worker_pid(launcher.pid, 1)]
-            time.sleep(0.05)
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert launcher.poll() is None and time.monotonic() < deadline, "run did not reach step 3"
-            time.sleep(0.002)  # a step takes tens of ms: kill at step 3 or 4, well before STEPS
+        workers = run_until(launcher, metrics, ranks=(0, 1), steps=3)  # kill at step 3 or 4, well before STEPS
         pid = workers[1]
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -136,15 +143,7 @@ def test_a_stopped_rank_is_found_by_its_heartbeat(setup):
                                  str(setup / "tokens.npy"), "--metrics", str(metrics), "--steps", "100000",
                                  "--timeout", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        pid = None
-        while pid is None:
-            assert launcher.poll() is None and time.monotonic() < deadline, "workers did not start"
-            pid = worker_pid(launcher.pid, 1)
-            time.sleep(0.05)
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            assert launcher.poll() is None and time.monotonic() < deadline, "run did not reach step 2"
-            time.sleep(0.01)
+        pid, = run_until(launcher, metrics, ranks=(1,), steps=2)
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
         _, stderr = launcher.communicate(timeout=60)
