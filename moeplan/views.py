@@ -127,6 +127,21 @@ def bottleneck(plan: Plan) -> tuple[int, int]:
     return rank, max(range(len(times[rank])), key=lambda c: times[rank][c])
 
 
+class ByWidth:
+    """A renderable that is ``wide`` on a console of at least ``min_width`` columns, else ``narrow``."""
+
+    def __init__(self, wide: RenderableType, narrow: RenderableType, min_width: int) -> None:
+        self.wide, self.narrow, self.min_width = wide, narrow, min_width
+
+    def __rich_console__(self, console: Console, options):  # noqa: ANN201 - rich's protocol
+        yield self.wide if options.max_width >= self.min_width else self.narrow
+
+
+def compact_table(title: str, caption: str | None = None) -> PlainTable:
+    """A table for narrow terminals: a rule under the header, no borders, two spaces between columns."""
+    return PlainTable(title=title, caption=caption, box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), show_edge=False)
+
+
 def _layers(names: list[str]) -> Text:
     items = compact([n for n in names if not n.startswith("empty.")]).split(", ") if len(names) else []
     out = Text(", ").join(Text(i, style="magenta" if i.startswith("mtp") else "") for i in items if i)
@@ -136,36 +151,46 @@ def _layers(names: list[str]) -> Text:
     return out
 
 
-def stages(plan: Plan) -> Table:
+def stages(plan: Plan, narrow: bool = False) -> Table:
     """PP ranks × VPP chunks: each chunk's pipeline stage, layers (MTP in magenta, empty layers counted in italics)
     and forward + backward seconds per micro-batch; per rank the total and the peak memory. The bottleneck
-    (:func:`bottleneck`) is highlighted: its row in bold on red, its slowest chunk marked ▶."""
+    (:func:`bottleneck`) is highlighted: its row in bold on red, its slowest chunk marked ▶. ``narrow``: the same
+    cells in a borderless table (:func:`compact_table`), stage and time on lines of their own."""
     lay, times = plan.layout, plan.stages.chunk_time_s
     worst_rank, worst_chunk = bottleneck(plan)
-    t = PlainTable(title=f"stages ({plan.stages.placement} placement; slowest chunk {plan.stages.imbalance:+.1%} over "
-                    f"the mean)", expand=True,
-              caption=f"bottleneck (highlighted): pp rank {worst_rank}, the rank whose chunks take the most time per "
-                      f"micro-batch ({fmt_s(sum(times[worst_rank]))}); ▶ marks its slowest chunk, {worst_chunk} "
-                      f"({fmt_s(times[worst_rank][worst_chunk])}). Times are forward + backward per micro-batch.")
-    t.add_column("pp rank", no_wrap=True)
+    title = f"stages ({plan.stages.placement} placement; slowest chunk {plan.stages.imbalance:+.1%} over the mean)"
+    caption = (f"bottleneck (highlighted): pp rank {worst_rank}, the rank whose chunks take the most time per "
+               f"micro-batch ({fmt_s(sum(times[worst_rank]))}); ▶ marks its slowest chunk, {worst_chunk} "
+               f"({fmt_s(times[worst_rank][worst_chunk])}). Times are forward + backward per micro-batch.")
+    t = compact_table(title, caption) if narrow else PlainTable(title=title, caption=caption, expand=True)
+    t.add_column("pp" if narrow else "pp rank", no_wrap=True)
     for c in range(lay.vpp):
         t.add_column(f"chunk {c}")
     t.add_column("Σ time", no_wrap=True)
-    t.add_column("peak mem", no_wrap=True)
+    t.add_column("peak" if narrow else "peak mem", no_wrap=True)
     for r, chunks in enumerate(plan.stages.chunks):
         cells = []
         for c, names in enumerate(chunks):
-            cell = Text(f"{'▶ ' if (r, c) == (worst_rank, worst_chunk) else ''}stage {plan.stages.stage_of(r, c)} · "
-                        f"{fmt_s(times[r][c])}\n", style="bold" if (r, c) == (worst_rank, worst_chunk) else "")
+            cell = Text(f"{'▶ ' if (r, c) == (worst_rank, worst_chunk) else ''}stage {plan.stages.stage_of(r, c)}"
+                        f"{chr(10) if narrow else ' · '}{fmt_s(times[r][c])}\n",
+                        style="bold" if (r, c) == (worst_rank, worst_chunk) else "")
             cells.append(cell + _layers(names))
         t.add_row(str(r), *cells, fmt_s(sum(times[r])), fmt_bytes(plan.prediction.peak_memory_bytes[r]),
-                  style="bold on dark_red" if r == worst_rank else None, end_section=True)
+                  style="bold on dark_red" if r == worst_rank else None, end_section=not narrow)
     return t
 
 
+def stages_width(plan: Plan) -> int:
+    """Columns from which the stages view shows the bordered table: each chunk's cell wants about 18 columns
+    (``stage 16 · 10.1 ms``) beside about 40 for the rank, the total, the peak and the borders; below, the
+    borderless one (the 718B's four chunks collapsed to cells of "layers.…" at 80 columns)."""
+    return 40 + 18 * plan.layout.vpp
+
+
 def stages_view(plan: Plan) -> Group:
-    """The stages table and the partition pass's reason."""
-    return Group(stages(plan), Text(plan.stages.reason, style="dim"))
+    """The stages table (:func:`stages`, narrow below :func:`stages_width`) and the partition pass's reason."""
+    return Group(ByWidth(stages(plan), stages(plan, narrow=True), stages_width(plan)),
+                 Text(plan.stages.reason, style="dim"))
 
 
 # --- memory -----------------------------------------------------------------------------------------------------
@@ -185,16 +210,6 @@ def _bar(parts: list[tuple[float, str]], budget: float, width: int = 16) -> Text
 WIDE_MEMORY_COLUMNS = 150
 """Columns from which the memory view lists every term (docs/memory.md); below, the compact table of three sums
 (what fits 80 columns: the 718B's memory view collapsed to columns of "2…" there)."""
-
-
-class ByWidth:
-    """A renderable that is ``wide`` on a console of at least ``min_width`` columns, else ``narrow``."""
-
-    def __init__(self, wide: RenderableType, narrow: RenderableType, min_width: int) -> None:
-        self.wide, self.narrow, self.min_width = wide, narrow, min_width
-
-    def __rich_console__(self, console: Console, options):  # noqa: ANN201 - rich's protocol
-        yield self.wide if options.max_width >= self.min_width else self.narrow
 
 
 def memory(plan: Plan) -> Group:
@@ -220,10 +235,10 @@ def memory(plan: Plan) -> Group:
         t.add_row(str(m.pp_rank), m.recompute, *cells, f"{m.total_bytes / scale:.2f}",
                   Text(f"{m.total_bytes / budget:.0%}", style="bold red" if m.total_bytes > budget else ""),
                   _bar([(states, "blue"), (acts, "green"), (m.total_bytes - states - acts, "yellow")], budget))
-    n = PlainTable(title=f"memory per device in {unit} (budget {budget / scale:.2f} {unit}; recompute asked: "
-                         f"{mem.recompute})", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
-                   caption="states: params + grads + optimizer █ blue; activations and working set █ green; other: "
-                           "workspace, buffers, runtime, allocator █ yellow; a wider terminal shows every term")
+    n = compact_table(f"memory per device in {unit} (budget {budget / scale:.2f} {unit}; recompute asked: "
+                      f"{mem.recompute})",
+                      "states: params + grads + optimizer █ blue; activations and working set █ green; other: "
+                      "workspace, buffers, runtime, allocator █ yellow; a wider terminal shows every term")
     for col in ("pp", "recompute", "states", "activations", "other", "total", "budget", ""):
         n.add_column(col, no_wrap=True, justify="left" if col in ("recompute", "") else "right")
     for m in mem.ranks:
@@ -262,23 +277,41 @@ def memory(plan: Plan) -> Group:
 
 # --- comm -------------------------------------------------------------------------------------------------------
 
-def comm(plan: Plan) -> Table:
+WIDE_COMM_COLUMNS = 120
+"""Columns from which the comm view is one table (its nine columns want about 118); below, two borderless tables,
+the whole step and its steady state (at 80 columns every cell of the one table collapsed to "…")."""
+
+
+def comm(plan: Plan) -> ByWidth:
     """Per comm class (``prediction.comm``): bytes one device sends per link tier, total and exposed seconds over
     the step and the overlap rate ``1 − exposed / total`` (docs/references.md §4.4), and the same in the steady
-    state (docs/step-model.md §2)."""
-    t = PlainTable(title=f"communication per step (dispatcher {plan.comm.dispatcher}; overlap "
-                    f"{', '.join(plan.comm.overlap) or 'none'})",
-              caption="bytes one device sends per step; steady state: the schedule's middle (its overlapped F&B "
-                      "pairs, or first backward to last forward); exposed = the compute stream waited on it",
-              expand=True)
-    for col in ("class", "intra-node", "inter-node", "total", "exposed", "overlap", "steady total", "steady exposed",
-                "steady overlap"):
-        t.add_column(col, no_wrap=True)
-    for cls, c in plan.prediction.comm.items():
-        t.add_row(Text(cls, style=CLASS_STYLES.get(cls, "")), fmt_bytes(c.intra_bytes), fmt_bytes(c.inter_bytes),
-                  fmt_s(c.total_s), fmt_s(c.exposed_s), _rate(c.overlap_rate), fmt_s(c.steady_total_s),
-                  fmt_s(c.steady_exposed_s), _rate(c.steady_overlap_rate))
-    return t
+    state (docs/step-model.md §2); one table from :data:`WIDE_COMM_COLUMNS` columns, else two."""
+    title = (f"communication per step (dispatcher {plan.comm.dispatcher}; overlap "
+             f"{', '.join(plan.comm.overlap) or 'none'})")
+    caption = ("bytes one device sends per step; steady state: the schedule's middle (its overlapped F&B pairs, or "
+               "first backward to last forward); exposed = the compute stream waited on it")
+    comm = plan.prediction.comm
+    step = [(fmt_bytes(c.intra_bytes), fmt_bytes(c.inter_bytes), fmt_s(c.total_s), fmt_s(c.exposed_s),
+             _rate(c.overlap_rate)) for c in comm.values()]
+    steady = [(fmt_s(c.steady_total_s), fmt_s(c.steady_exposed_s), _rate(c.steady_overlap_rate))
+              for c in comm.values()]
+    classes = [Text(cls, style=CLASS_STYLES.get(cls, "")) for cls in comm]
+    step_columns = ("intra-node", "inter-node", "total", "exposed", "overlap")
+
+    def table(t: PlainTable, columns: tuple[str, ...], rows) -> PlainTable:
+        for col in ("class", *columns):
+            t.add_column(col, no_wrap=True)
+        for cls, row in zip(classes, rows):
+            t.add_row(cls, *row)
+        return t
+
+    wide = table(PlainTable(title=title, caption=caption, expand=True),
+                 (*step_columns, "steady total", "steady exposed", "steady overlap"),
+                 [a + b for a, b in zip(step, steady)])
+    narrow = Group(table(compact_table(title), step_columns, step),
+                   table(compact_table("steady state"), ("total", "exposed", "overlap"), steady),
+                   Text(caption, style="dim"))
+    return ByWidth(wide, narrow, WIDE_COMM_COLUMNS)
 
 
 # --- timeline ---------------------------------------------------------------------------------------------------

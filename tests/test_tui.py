@@ -3,6 +3,7 @@
 import asyncio
 import html
 import re
+from pathlib import Path
 from importlib import resources
 from collections import Counter
 
@@ -17,7 +18,7 @@ from moeplan.actions import compute_parts
 from moeplan.cli import app as cli_app
 from moeplan.compile import compile_model
 from moeplan.errors import PlanError
-from moeplan.plan import save_plan
+from moeplan.plan import load_plan, save_plan
 from moeplan.search import Fixed
 from moeplan.spec import load_spec
 from moeplan.targets import load_target
@@ -240,19 +241,43 @@ def test_plan_text_is_printed_as_it_is_never_as_markup(plan, tmp_path):
         assert proc.returncode == 0 and proc.stdout.startswith(odd), proc.stderr
 
 
-def test_the_memory_view_fits_80_columns(plan):
-    """At 80 columns the view of every memory term collapsed to cells of "2…"; below 150 columns it is three sums
-    (states, activations, other) with the total, and every term from 150 on."""
+GOLDEN_718B = (Path(__file__).parent / "golden" / "__snapshots__" / "test_golden"
+               / "test_compile[pangu-ultra-718b-default][plan].yaml")
+
+
+@pytest.fixture(scope="module")
+def plan_718b(tmp_path_factory):
+    """The README's main job's plan (the 718B on 6144 NPUs: pp 16, vpp 4, five comm classes), from its golden file
+    with the masked wall-clock seconds set to 0."""
+    path = tmp_path_factory.mktemp("golden") / "718b.yaml"
+    path.write_text(GOLDEN_718B.read_text().replace("<seconds>", "0.0"))
+    return load_plan(path)
+
+
+@pytest.mark.parametrize("which", ["tiny", "718b"])
+def test_every_view_fits_the_terminal(plan, plan_718b, which):
+    """At 80 columns the memory view collapsed to cells of "2…", the 718B's comm view to "…" in every cell and its
+    stages to "layers.…"; the TUI leaves the tables 78 columns (80 less its scroll bar). Each table view fits 78
+    columns without cutting a cell, and a wide console gets the full tables: every memory term, the steady-state
+    columns beside the step's, the bordered stages (from :func:`moeplan.views.stages_width`)."""
     import io
 
     from rich.console import Console
 
-    for width, terms in ((80, False), (200, True)):
-        buf = io.StringIO()
-        Console(file=buf, width=width, color_system=None).print(views.memory(plan))
-        text = buf.getvalue()
-        rows = [line for line in text.splitlines() if re.search(r"\(\d+ mb\)", line)]  # one per PP rank
-        assert len(rows) == len(plan.memory.ranks) and not any("…" in line for line in rows), text
-        assert max(map(len, text.splitlines())) <= width and ("gathered" in text) == terms  # a wide-only column
-        unit, scale = views.unit_of(max(m.total_bytes for m in plan.memory.ranks))
-        assert all(f"{m.total_bytes / scale:.2f}" in text for m in plan.memory.ranks), width
+    p = plan if which == "tiny" else plan_718b
+    for width, wide in ((78, False), (200, True)):
+        for view in (views.overview, views.stages_view, views.memory, views.comm):
+            buf = io.StringIO()
+            Console(file=buf, width=width, color_system=None).print(view(p))
+            text = buf.getvalue()
+            assert max(map(len, text.splitlines())) <= width and "…" not in text, (view.__name__, width, text)
+            if view is views.memory:
+                rows = [line for line in text.splitlines() if re.search(r"\(\d+ mb\)", line)]  # one per PP rank
+                assert len(rows) == len(p.memory.ranks) and ("gathered" in text) == wide, text  # a wide-only term
+                unit, scale = views.unit_of(max(m.total_bytes for m in p.memory.ranks))
+                assert all(f"{m.total_bytes / scale:.2f}" in text for m in p.memory.ranks), width
+            if view is views.comm:
+                assert ("steady exposed" in text) == wide and all(cls in text for cls in p.prediction.comm), text
+            if view is views.stages_view:
+                assert ("┃ pp rank" in text) == (width >= views.stages_width(p)) and all(f"stage {s} " in text or f"stage {s}\n" in text
+                                                             for s in range(p.layout.pp * p.layout.vpp)), text
