@@ -79,7 +79,9 @@ class IgnoredKey:
     effect: str | None
 
 
-def _is_off(key: str, value: object, cfg: dict) -> bool:
+def is_off(key: str, value: object, cfg: dict) -> bool:
+    """``value`` of ``key`` turns the feature of a NOT_MODELLED key off (``null``, :data:`_OFF`, a window that the
+    config does not use): moeplan leaves nothing out by ignoring it."""
     if value is None or any(value == v and type(value) is type(v) for v in _OFF.get(key, ())):
         return True
     if key == "sliding_window":  # Qwen2 writes a window it does not use
@@ -97,7 +99,7 @@ def ignored_keys(cfg: dict, read: Collection[str]) -> tuple[IgnoredKey, ...]:
         if key in read or key in NO_EFFECT:
             continue
         if key in NOT_MODELLED:
-            if not _is_off(key, value, cfg):
+            if not is_off(key, value, cfg):
                 out.append(IgnoredKey(key, NOT_MODELLED[key]))
         else:
             out.append(IgnoredKey(key, None))

@@ -342,6 +342,7 @@ def from_hf_config(cfg: object, *, name: str, seq_len: int, global_batch: int, s
         c = HFConfig.model_validate(cfg)
     except ValidationError as e:
         raise SpecError(validation_message(e.errors()[0], where=f"in {source}")) from None
+    _check_aliases(cfg, source)
     if c.model_type.lower() in SIGMOID_ROUTER_TYPES and c.scoring_func is None:
         c = c.model_copy(update={"scoring_func": "sigmoid"})
     d: dict = dict(name=name, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
@@ -384,6 +385,29 @@ HF_KEYS: dict[str, tuple[str, ...]] = {
     "router_scale": ("routed_scaling_factor",), "tie_embeddings": ("tie_word_embeddings",),
 }
 """ModelSpec field -> the config.json keys it is read from, in the order :func:`from_hf_config` prefers them."""
+
+
+HF_ALIASES: tuple[tuple[str, ...], ...] = (
+    ("n_routed_experts", "num_local_experts", "num_experts"), ("n_shared_experts", "num_shared_experts"),
+    ("num_experts_per_tok", "moe_topk", "experts_per_token"), ("n_group", "num_expert_groups"),
+    ("num_nextn_predict_layers", "num_mtp_layers"), ("decoder_sparse_step", "moe_layer_freq"))
+"""config.json keys that name one quantity in different families (gpt-oss writes its top-k twice): the reader
+takes the first that is set (:data:`HF_KEYS`), so two that disagree are refused rather than one of them dropped."""
+
+
+def _check_aliases(cfg: dict, source: str) -> None:
+    """Refuse two keys of one :data:`HF_ALIASES` group with different values, and ``first_k_dense_replace`` beside
+    an ``mlp_only_layers`` of another length (both give the dense prefix). Raises SpecError."""
+    for group in HF_ALIASES:
+        (key, value), *others = [(k, cfg[k]) for k in group if cfg.get(k) is not None] or [(None, None)]
+        for other, v in others:
+            if v != value:
+                raise SpecError(f"{other}={v!r}: names the same quantity as {key}={value!r} with another value; "
+                                f"keep one of them (in {source})", reason="config keys disagree")
+    first, dense = cfg.get("first_k_dense_replace"), cfg.get("mlp_only_layers")
+    if first is not None and isinstance(dense, list) and len(dense) != first:
+        raise SpecError(f"mlp_only_layers={dense!r}: {len(dense)} dense layers where first_k_dense_replace={first!r}; "
+                        f"keep one of them (in {source})", reason="config keys disagree")
 
 
 def _hf_names(message: str, cfg: dict) -> str:

@@ -110,6 +110,21 @@ def test_hf_rule_errors_name_the_configs_keys_and_file():
         from_hf_config({**cfg, "num_experts_per_tok": 2}, name="x", seq_len=64, global_batch=8, source="c.json")
 
 
+def test_config_keys_that_name_one_quantity_must_agree():
+    """DeepSeek's n_routed_experts beside Mixtral's num_local_experts: the reader took the first and dropped the
+    other without a word (found by tests/test_model_mutations.py). Equal values, as gpt-oss writes its top-k twice,
+    load."""
+    cfg = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    read = dict(name="x", seq_len=64, global_batch=8, source="c.json")
+    with pytest.raises(SpecError, match=r"^num_local_experts=16: names the same quantity as n_routed_experts=8 with "
+                                        r"another value; keep one of them \(in c.json\)$"):
+        from_hf_config({**cfg, "num_local_experts": 16}, **read)
+    with pytest.raises(SpecError, match=r"^mlp_only_layers=\[0, 1\]: 2 dense layers where first_k_dense_replace=1"):
+        from_hf_config({**cfg, "first_k_dense_replace": 1, "mlp_only_layers": [0, 1]}, **read)
+    assert from_hf_config({**cfg, "experts_per_token": 2, "num_local_experts": 8}, **read).top_k == 2
+
+
 def test_the_cli_prints_the_ignored_keys_once_and_glm_air_compiles(tmp_path):
     gpt = FIXTURES / "gpt-oss-120b" / "config.json"
     proc = run_moeplan("describe", gpt)
