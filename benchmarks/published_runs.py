@@ -116,7 +116,7 @@ def _strategy(run: dict, layout: Layout, graph, target, notes: list[str]) -> Str
     fixed = Fixed(global_batch=layout.global_batch, seq_len=layout.seq_len, schedule=schedule,
                   dispatcher=run.get("dispatcher") or None, overlap=frozenset(overlap), recompute=rec,
                   recompute_modules=modules, precision=precision_of(run, notes))
-    options = strategies(layout, graph=graph, target=target, fixed=fixed)
+    options = strategies(layout, graph=graph, target=target, fixed=fixed).found
     if not options:
         raise SystemExit(f"{run['id']}: schedule {schedule} does not fit the layout")
     return options[0]

@@ -110,7 +110,7 @@ REASONS = {
     "memory": "memory: plan exceeds device memory under every recompute mode",
     "schedule": "schedule: no schedule the target runs fits pp, vpp and the micro-batches",
     "pass": "a pass of the pipeline refused the layout",
-    "runtime": "the target's runtime refuses the overlap with the recompute chosen (moeplan/runtimes.py)",
+    "runtime": "the target's runtime refuses the overlap in this setup (moeplan/runtimes.py)",
 }
 """Each reason code of a :class:`Rejection`, in words: how the search reports its counts."""
 

@@ -147,8 +147,18 @@ def check(layout: Layout, *, graph: ModelGraph, num_devices: int, devices_per_no
                  num_kv_heads=spec.num_kv_heads, num_experts=spec.num_experts, num_layer_slots=num_slots)
 
 
+@dataclass(frozen=True)
+class Strategies:
+    """The strategies searched for a layout (:func:`strategies`). ``refused``: when a fixed ``--overlap`` was left
+    out under a schedule that fits because the target's runtime refuses it there, the first such refusal (a
+    ``runtime`` rejection naming the mechanism and the runtime's rule), else None."""
+
+    found: list[Strategy]
+    refused: Rejection | None = None
+
+
 def strategies(layout: Layout, *, graph: ModelGraph, target: Target, fixed: Fixed,
-               cache: dict | None = None) -> list[Strategy]:
+               cache: dict | None = None) -> Strategies:
     """The strategies searched for ``layout`` (module docstring, step 3); ``cache`` keeps the dispatcher choice
     per (tp, cp, ep, etp, micro-batch) across layouts."""
     caps = target.runtime
@@ -159,7 +169,7 @@ def strategies(layout: Layout, *, graph: ModelGraph, target: Target, fixed: Fixe
     dispatcher = fixed.dispatcher or _cheapest_dispatcher(layout, graph, target, cache)
     ep = expert_group(layout)[0] > 1
     rt = RUNTIMES.get(caps.name or "")
-    out = []
+    out, refused = [], None
     for kind in kinds:
         if fixed.overlap is not None:
             overlap = fixed.overlap
@@ -167,12 +177,15 @@ def strategies(layout: Layout, *, graph: ModelGraph, target: Target, fixed: Fixe
             overlap = frozenset(m for m in caps.overlap if _applies(m, kind, layout, graph, ep))
         if rt is not None:  # what the target's runtime refuses in this setup is not searched
             setup = Setup.of(layout, kind, dispatcher, overlap)
-            if fixed.overlap is not None and rt.refusals(setup):
+            if fixed.overlap is not None and (found := rt.refusals(setup)):
+                refused = refused or Rejection("runtime", None, f"runtime: {rt.title} refuses overlap "
+                                                                f"{found[0].mechanism} under {kind} on "
+                                                                f"{layout.short()}: {found[0].reason}")
                 continue
             overlap = rt.allowed(setup)
         out.append(Strategy(schedule=kind, dispatcher=dispatcher, overlap=overlap, recompute=fixed.recompute,
                             precision=fixed.precision, recompute_modules=fixed.recompute_modules))  # type: ignore[arg-type]
-    return out
+    return Strategies(out, refused)
 
 
 def _applies(name: str, kind: str, layout: Layout, graph: ModelGraph, ep: bool) -> bool:
@@ -294,11 +307,11 @@ def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed:
                                                      f"{gib_text(budget)}"))
             continue
         found = strategies(lay, graph=graph, target=target, fixed=fixed, cache=cache)
-        if not found:
+        if not found.found:
             m = lay.num_microbatches
-            reject(Rejection("schedule", m, f"schedule: no schedule searched fits pp, vpp and the {m} micro-batches "
-                                            f"of {lay.short()}"))
-        options += [(lay, st, params) for st in found]
+            reject(found.refused or Rejection("schedule", m, f"schedule: no schedule searched fits pp, vpp and the "
+                                                             f"{m} micro-batches of {lay.short()}"))
+        options += [(lay, st, params) for st in found.found]
     return Options(options, layouts, rejected, examples)
 
 

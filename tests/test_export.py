@@ -489,3 +489,16 @@ def test_the_search_for_a_megatron_target_plans_only_what_megatron_runs():
         assert not [n for n in notes if "left out" in n or "refuse" in n or "schedule.kind" in n
                     or "placement" in n or "dispatcher" in n], notes
     assert "fb" in plan.comm.overlap  # the GLM-4.5-Air plan runs Megatron's EP overlap, with VPP
+
+
+def test_a_fixed_overlap_the_runtime_refuses_is_named():
+    """``--overlap fb`` on PP 2 without VPP for Megatron-LM: every layout was refused as "no schedule searched fits",
+    which named neither the mechanism nor Megatron's rule; the refusal now says both."""
+    from moeplan.errors import LayoutError
+
+    target = load_target("h100", runtime="megatron-lm")
+    with pytest.raises(LayoutError, match=r"^runtime: Megatron-LM refuses overlap fb under 1f1b on tp1 pp2 vpp1 ep2 "
+                                          r".*: --overlap-moe-expert-parallel-comm needs virtual pipeline stages "
+                                          r"when pp > 1"):
+        compile_model(spec=load_spec("tiny-pangu"), target=target, num_devices=4, workers=1,
+                      fixed=Fixed(global_batch=8, seq_len=64, pp=2, vpp=1, ep=2, overlap=frozenset({"fb"})))
