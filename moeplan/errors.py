@@ -49,6 +49,15 @@ class InfeasibleError(MoeplanError):
         self.needs_bytes = needs_bytes
 
 
+class SubfieldError(ValueError):
+    """Raised by a pydantic validator of a mapping for a rule on one of its keys: :func:`validation_message` names
+    ``field`` under the mapping and shows ``value``, not the whole mapping."""
+
+    def __init__(self, field: str, value: object, rule: str) -> None:
+        super().__init__(rule)
+        self.field, self.value, self.rule = field, value, rule
+
+
 def validation_message(error: dict, *, where: str) -> str:
     """One line for the first error of a pydantic ``ValidationError`` (``e.errors()[0]``): the field's dotted path,
     the value given (a repr of at most 60 characters, however large or nested the value) and the rule, then
@@ -59,11 +68,13 @@ def validation_message(error: dict, *, where: str) -> str:
     field = field if field.isprintable() else repr(field)
     if error["type"] == "missing":
         return f"{field}: required, missing ({where})"
+    given, rule = error.get("input"), error["msg"].removeprefix("Value error, ")
+    if isinstance(sub := error.get("ctx", {}).get("error"), SubfieldError):
+        field, given, rule = f"{field}.{sub.field}", sub.value, sub.rule
     short = reprlib.Repr()  # bounded: a huge or deeply nested value is cut, never walked whole
     short.maxlevel, short.maxstring, short.maxother, short.maxlist, short.maxdict = 2, 40, 40, 4, 4
-    value = short.repr(error.get("input"))
+    value = short.repr(given)
     value = value if len(value) <= 60 else value[:57] + "..."
-    rule = error["msg"].removeprefix("Value error, ")
     if error["type"] in ("less_than_equal", "less_than", "too_long"):
         where += "; docs/inputs.md gives the reason for the bound"
     return f"{field}={value}: {rule} ({where})"

@@ -15,7 +15,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError,
                       field_validator, model_serializer, model_validator)
 
-from moeplan.errors import TargetError, validation_message
+from moeplan.errors import SubfieldError, TargetError, validation_message
 from moeplan.files import read_yaml
 from moeplan.mechanisms import MECHANISMS, Mechanism, runtime_mechanisms
 from moeplan.names import DISPATCHERS, SCHEDULES, Dispatcher, ScheduleKind
@@ -234,10 +234,10 @@ class RuntimeSupport(BaseModel):
             if given is None:
                 data[field] = allowed
             elif isinstance(given, (list, tuple)) and (extra := [v for v in given if v not in allowed]):
-                raise ValueError(f"{field} names {', '.join(map(str, extra))}, which {rt.title} does not run "
-                                 f"(it runs {', '.join(allowed)})")
+                raise SubfieldError(field, list(given), f"names {', '.join(map(str, extra))}, which {rt.title} does "
+                                                        f"not run (it runs {', '.join(allowed)})")
         if data.get("fsdp") is True and not rt.fsdp:
-            raise ValueError(f"fsdp: {rt.title} does not shard parameters (ZeRO-1 only)")
+            raise SubfieldError("fsdp", True, f"{rt.title} does not shard parameters (ZeRO-1 only)")
         data.setdefault("fsdp", rt.fsdp)
         return data
 

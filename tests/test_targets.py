@@ -238,8 +238,9 @@ def test_a_named_runtime_sets_and_bounds_what_the_search_tries(tmp_path):
     assert (meg.schedules, meg.dispatchers, meg.fsdp) == (("1f1b", "interleaved"), ("flat", "dedup"), True)
     assert meg.model_dump()["name"] == "megatron-lm" and "name" not in load_target("h100").runtime.model_dump()
     assert load_target("h100", runtime="mindspeed-llm").runtime.fsdp is False
-    with pytest.raises(TargetError, match="schedules names zero-bubble, zbv, dualpipev, which Megatron-LM does "
-                                          "not run"):
+    with pytest.raises(TargetError, match=r"^runtime.schedules=\['1f1b', .*\]: names zero-bubble, zbv, dualpipev, "
+                                          r"which Megatron-LM does not run \(it runs 1f1b, interleaved\) "
+                                          r"\(target cpu\)$"):
         load_target("cpu", runtime="megatron-lm")  # the cpu file lists the schedules moeplan runs
     rt = RUNTIMES["megatron-lm"]
     s = Setup(schedule="1f1b", pp=2, vpp=1, expert_shards=4, etp=1, dispatcher="flat",
