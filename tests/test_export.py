@@ -502,3 +502,16 @@ def test_a_fixed_overlap_the_runtime_refuses_is_named():
                                           r"when pp > 1"):
         compile_model(spec=load_spec("tiny-pangu"), target=target, num_devices=4, workers=1,
                       fixed=Fixed(global_batch=8, seq_len=64, pp=2, vpp=1, ep=2, overlap=frozenset({"fb"})))
+
+
+def test_tp_extend_ep_is_exported_when_mindspeed_leaves_fb_out():
+    """A tp-extend-ep layout (etp 1 < tp 2) whose fb MindSpeed refuses (pp 2 without VPP or DualPipeV): fb gets no
+    flag, so the shorter --moe-tp-extend-ep is free to use; the exporter decided it from the plan's fb and wrote the
+    folded grid with a note about a conflict that the export no longer has."""
+    plan = _tiny("h800", 16, global_batch=32, pp=2, vpp=1, tp=2, ep=4, etp=1, schedule="1f1b", dispatcher="flat",
+                 overlap=frozenset({"fb"}))
+    assert "fb" in plan.comm.overlap and plan.layout.tp_extend_ep
+    ex = export_plan(plan, "mindspeed-llm")
+    assert "--moe-tp-extend-ep" in ex.text and "--moe-fb-overlap" not in ex.text
+    assert "--expert-model-parallel-size 4" in ex.text and "--expert-tensor-parallel-size" not in ex.text
+    assert any("comm.overlap fb left out" in n for n in ex.notes) and not any("tp_extend_ep" in n for n in ex.notes)

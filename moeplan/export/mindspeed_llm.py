@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from moeplan.export.common import (_Args, _common, _is_slot, _megatron_layout, _moe, _mtp_head_notes, _overlap,
-                                   _recompute, _schedule_note, pipeline_stages)
+                                   _recompute, _schedule_note, pipeline_stages, plan_setup)
 from moeplan.export.registry import Export, register
 from moeplan.plan import Plan
 from moeplan.runtimes import RUNTIMES
@@ -22,7 +22,7 @@ def _mindspeed(plan: Plan) -> _Args:
     (mindspeed/features_manager/moe/fb_overlap.py, pipeline_parallel/dualpipev_feature.py)."""
     a, lay, spec = _Args(), plan.layout, plan.model.spec
     rt = "MindSpeed-LLM"
-    fb = "fb" in plan.comm.overlap
+    fb = "fb" in RUNTIMES["mindspeed-llm"].allowed(plan_setup(plan))  # fb as exported: not when MindSpeed refuses it
     _common(plan, a)
     if lay.dp_shard > 1:
         a.drop("--data-parallel-sharding-strategy", f"layout.dp_shard={lay.dp_shard}: MindSpeed-LLM runs ZeRO-1 "
