@@ -17,7 +17,8 @@ def check_plan(plan: Plan) -> None:
     """Check a plan's internal consistency; raise PlanError naming the first problem.
 
     Rules: the model hash matches its spec; tp·cp·dp·pp equals the device count; the global batch is
-    dp·micro_batch·num_microbatches sequences, and the layout's seq_len and global_batch are the spec's; the stages
+    dp·micro_batch·num_microbatches sequences, and the layout's seq_len and global_batch are the spec's; the memory
+    budget is within the target's device memory; the stages
     have pp ranks of vpp chunks; every layer of the model sits on exactly one chunk (empty layers only as listed),
     in the model's order along the stages; the schedule has one action list per PP rank and every action is of the
     pipelining notation on a stage the rank holds.
@@ -37,6 +38,10 @@ def check_plan(plan: Plan) -> None:
         if getattr(lay, name) != getattr(spec, name):
             raise PlanError(f"layout.{name}={getattr(lay, name)}: must equal the model's {name} "
                             f"({getattr(spec, name)}), the shape the plan was compiled for")
+    if plan.memory.budget_bytes > plan.target.memory_bytes:
+        raise PlanError(f"target.memory_bytes={plan.target.memory_bytes:g}: below the plan's memory budget "
+                        f"({plan.memory.budget_bytes} bytes per device, never above the device's memory); the target "
+                        f"was edited")
     if len(plan.stages.chunks) != lay.pp or any(len(c) != lay.vpp for c in plan.stages.chunks):
         raise PlanError(f"stages.chunks: must hold pp={lay.pp} ranks of vpp={lay.vpp} chunks")
     _check_layers(plan)

@@ -299,6 +299,23 @@ def _swap_layers(doc: dict) -> None:
     names[0], names[1] = names[1], names[0]
 
 
+def _head_first(doc: dict) -> None:
+    """Move ``head`` to the front of its chunk."""
+    chunk = next(c for rank in doc["stages"]["chunks"] for c in rank if "head" in c)
+    chunk.remove("head")
+    chunk.insert(0, "head")
+
+
+def _newline_in_empty_layer(doc: dict) -> None:
+    """Rename the first empty layer to a name with a line break, where it is listed and where it sits."""
+    old = doc["stages"]["empty_layers"][0]
+    new = old + "\ntouch pwned"
+    doc["stages"]["empty_layers"][0] = new
+    for rank in doc["stages"]["chunks"]:
+        for chunk in rank:
+            chunk[:] = [new if n == old else n for n in chunk]
+
+
 @pytest.mark.parametrize("edit,needle", [
     (lambda d: d["layout"].update(global_batch=2 * d["layout"]["global_batch"]),
      "layout.global_batch=16: must equal dp·micro_batch·num_microbatches = 2·4·1 = 8 sequences"),
@@ -307,13 +324,27 @@ def _swap_layers(doc: dict) -> None:
     (lambda d: d["prediction"].update(step_time_s=-d["prediction"]["step_time_s"]), "prediction.step_time_s="),
     (lambda d: d["prediction"].update(mfu=-0.1), "prediction.mfu=-0.1"),
     (lambda d: d["prediction"]["exposed_comm_s"].update(ep=-1.0), "prediction.exposed_comm_s.ep=-1.0"),
-], ids=["global_batch", "seq_len", "layer_order", "negative_step", "negative_mfu", "negative_exposed"])
+    (_head_first, "comes after 'head' along the stages"),
+    (_newline_in_empty_layer, "a plan's text is one line of printable characters"),
+    (lambda d: d["target"].update(memory_bytes=1), "target.memory_bytes=1: below the plan's memory budget"),
+], ids=["global_batch", "seq_len", "layer_order", "negative_step", "negative_mfu", "negative_exposed", "head_first",
+        "newline_in_empty_layer", "memory_bytes_1"])
 def test_a_plan_is_checked_whole(tmp_path, edit, needle):
     """What the schema alone accepts but no compile makes: the batch arithmetic, the shape the spec was compiled
-    for, the layers' order, negative predictions (each was simulated or run: issue 34)."""
+    for, the layers' order (``head`` first in its chunk), a line break in an empty layer's name, a device smaller
+    than the plan's memory budget, negative predictions (each was simulated or run: issue 34)."""
     doc = copy.deepcopy(_plan_doc())
     edit(doc)
     assert needle in assert_refused(load_plan, write(tmp_path, "p.yaml", doc), PlanError, None)
+
+
+def test_a_key_written_twice_in_a_plan_is_refused(tmp_path):
+    """The last of two ``memory_bytes`` keys won in silence (issue 34): every reader refuses a duplicate key."""
+    text = yaml.safe_dump(_plan_doc(), sort_keys=False)
+    text = text.replace("  memory_bytes: ", "  memory_bytes: 1\n  memory_bytes: ", 1)
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    assert "duplicate key 'memory_bytes'" in assert_refused(load_plan, path, PlanError, None)
 
 
 # ---- the CLI: exit 2, one line, nothing written ----------------------------------------------------------------
