@@ -111,6 +111,13 @@ class GuardedGroup(TyperGroup):
     attached (:func:`invocation_of`) and is otherwise unchanged, so that typer still handles its own (usage errors,
     ``typer.Exit``) and :func:`moeplan.cli.main` reports the rest, traceback and all."""
 
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except KeyboardInterrupt:  # Ctrl-C while the arguments are parsed: typer's main would exit 130 in silence
+            err.print("moeplan: interrupted (Ctrl-C); nothing was written", markup=False)
+            sys.exit(INTERRUPTED_EXIT)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)

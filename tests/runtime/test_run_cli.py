@@ -255,6 +255,26 @@ def test_ctrl_c_prints_one_line_and_exits_130(pp2):
                         f"step {ref.step} ({ref.path}), continue with --resume")
 
 
+@pytest.mark.parametrize("after_s", [0.1, 0.4, 1.5])
+def test_ctrl_c_before_the_first_step_prints_one_line_and_exits_130(pp2, after_s):
+    """SIGINT in the first seconds of the ``moeplan`` console script: while its modules load, while typer parses
+    the arguments, while ``run`` checks the plan and starts the ranks. It printed the traceback of the interrupted
+    import, or exited 130 with no line (typer's own handling; issue 34). Whenever it lands: exit 130 and one line."""
+    script = Path(sys.executable).with_name("moeplan")
+    launcher = subprocess.Popen([str(script), "run", str(pp2 / "plan.yaml"), "--steps", "10000", "--data",
+                                 str(pp2 / "tokens.npy")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        time.sleep(after_s)
+        os.killpg(launcher.pid, signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    lines = stderr.splitlines()
+    assert launcher.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0], stderr
+
+
 @pytest.fixture(scope="module")
 def run_metrics(pp2) -> Path:
     metrics = pp2 / "run.jsonl"
