@@ -58,7 +58,7 @@ has its CPU to itself (each emulated device is one single-threaded process, ``OM
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -261,9 +261,16 @@ def _value(rank, key: str) -> float:
 def compare(plan: Plan, records: list[StepRecord], *, first_step: int | None = None) -> list[Row]:
     """All compared rows: step time and tokens/s, then per PP rank actions, comm seconds and bytes, peak saved
     activation bytes, over :func:`measured_window`. Raises PlanError when the records come from another layout (rank
-    count differs) or ``first_step`` is past the run."""
+    count, or the ranks per PP rank, differ) or ``first_step`` is past the run."""
     if any(len(r.ranks) != plan.layout.num_devices for r in records):
         raise PlanError(f"metrics: the run has {len(records[0].ranks)} ranks, the plan {plan.layout.num_devices}")
+    per_pp = plan.layout.num_devices // plan.layout.pp
+    for rec in records:  # same rank count, another layout: the ranks' pp ranks differ (dp 2 against pp 2)
+        found = sorted(Counter(r.pp_rank for r in rec.ranks).items())
+        if found != [(p, per_pp) for p in range(plan.layout.pp)]:
+            raise PlanError(f"metrics: step {rec.step} has ranks on pp ranks "
+                            f"{', '.join(f'{p} ×{n}' for p, n in found)}; the plan has pp={plan.layout.pp}, {per_pp} "
+                            f"rank(s) each: the metrics are of another layout")
     _, timed, metered = _split_window(records, first_step)
     rows = [Row("step time", "s", plan.prediction.step_time_s, statistics.median(r.step_time_s for r in timed)),
             Row("tokens/s", "tokens/s", plan.prediction.tokens_per_s,

@@ -332,6 +332,12 @@ def test_compare_rejects_another_layouts_metrics(pp2, run_metrics, tmp_path):
     save_plan(make_plan(1, dict(pp=1, tp=1, cp=1, micro_batch=2)), other)
     proc = run_moeplan("compare", str(other), str(run_metrics))
     assert proc.returncode == 2 and "the run has 2 ranks, the plan 1" in proc.stderr
+    # the same rank count, another layout: dp 2 against the run's pp 2 (compared without a word before, issue 34)
+    save_plan(make_plan(2, dict(pp=1, tp=1, cp=1, ep=1, micro_batch=4)), other)
+    proc = run_moeplan("compare", str(other), str(run_metrics))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "has ranks on pp ranks 0 ×1, 1 ×1; the plan has pp=1, 2 rank(s) each" in lines[0], lines[0]
 
 
 def test_calibrate_writes_a_target_the_compiler_uses(tmp_path):
