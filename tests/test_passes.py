@@ -159,7 +159,8 @@ def test_a_pipeline_prints_back_and_changes_as_an_object():
     with pytest.raises(PlanError, match="'nope' is not an option of plan-memory"):
         p.with_option("plan-memory", "nope", 1)
     # issue 34: nan and inf are no option's value (budget_gib=nan ended in "needs 0.0 GiB", time_limit_s=nan ran)
-    for option in ("budget_fraction=inf", "budget_gib=nan", "time_limit_s=nan", "time_limit_s=-inf"):
+    for option in ("budget_fraction=inf", "budget_fraction=nan", "budget_gib=nan", "time_limit_s=nan",
+                   "time_limit_s=-inf"):
         with pytest.raises(PlanError, match=rf"pipeline=plan-memory\{{{option}\}}: must be a finite number"):
             Pipeline.parse(f"shard,partition-stages,place-experts,schedule,plan-memory{{{option}}}")
 

@@ -110,6 +110,30 @@ def test_hf_rule_errors_name_the_configs_keys_and_file():
         from_hf_config({**cfg, "num_experts_per_tok": 2}, name="x", seq_len=64, global_batch=8, source="c.json")
 
 
+def test_an_mla_config_need_not_divide_hidden_by_heads(tmp_path):
+    """MLA sizes its heads by qk_nope_head_dim + qk_rope_head_dim and v_head_dim, not hidden_size / heads: the
+    divisibility rule was applied to MLA configs too (issue 34). DeepSeek-V3 at hidden 7000 (7000 / 128 is not
+    whole) loads with its MLA heads."""
+    cfg = json.loads((Path(__file__).parents[1] / "examples" / "models" / "deepseek-v3" / "config.json").read_text())
+    path = tmp_path / "odd" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({**cfg, "hidden_size": 7000}))
+    spec = load_spec(str(path))
+    assert (spec.attention, spec.hidden_size, spec.num_heads, spec.qk_nope_head_dim) == ("mla", 7000, 128, 128)
+
+
+def test_a_huge_integer_in_a_config_is_refused_in_one_line(tmp_path):
+    """A 5001-digit vocab_size: the JSON reader raised Python's int-conversion ValueError, exit 1 (issue 34)."""
+    path = tmp_path / "big" / "config.json"
+    path.parent.mkdir()
+    text = (Path(__file__).parents[1] / "examples" / "models" / "deepseek-v3" / "config.json").read_text()
+    path.write_text(text.replace('"vocab_size": 129280', '"vocab_size": ' + "9" * 5001))
+    with pytest.raises(SpecError) as e:
+        load_spec(str(path))
+    msg = str(e.value)
+    assert msg.startswith(f"model={str(path)!r}: malformed JSON") and msg.isprintable() and len(msg) < 400, msg
+
+
 def test_config_keys_that_name_one_quantity_must_agree():
     """DeepSeek's n_routed_experts beside Mixtral's num_local_experts: the reader took the first and dropped the
     other without a word (found by tests/test_model_mutations.py). Equal values, as gpt-oss writes its top-k twice,
