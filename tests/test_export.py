@@ -515,3 +515,19 @@ def test_tp_extend_ep_is_exported_when_mindspeed_leaves_fb_out():
     assert "--moe-tp-extend-ep" in ex.text and "--moe-fb-overlap" not in ex.text
     assert "--expert-model-parallel-size 4" in ex.text and "--expert-tensor-parallel-size" not in ex.text
     assert any("comm.overlap fb left out" in n for n in ex.notes) and not any("tp_extend_ep" in n for n in ex.notes)
+
+
+def test_a_dualpipev_plan_exports_its_uneven_split_the_runtimes_way(plans):
+    """DeepSeek-V3 / Kimi-K2's 61 layers on PP 16 with DualPipeV were exported as a bare --num-layers 61 (issue 34).
+    MindSpeed-LLM runs DualPipeV: its export pads the V stages with noop layers to equal slot counts (the same as
+    for VPP; MindSpeed has no layout flag for DualPipeV). Megatron-LM has no DualPipeV: its export says so and writes
+    no --pipeline-model-parallel-layout, whose loop order would place the V's stages on the wrong ranks."""
+    plan = plans["dualpipev"]
+    spec, lay = plan.model.spec, plan.layout
+    args = _args(export_plan(plan, "mindspeed-llm").text)
+    assert args["--schedules-method"] == ["dualpipev"]
+    total, noop = int(args["--num-layers"][0]), args["--noop-layers"][0].split(",")
+    assert total - len(noop) == spec.num_layers and total % (lay.pp * lay.vpp) == 0, args
+    ex = export_plan(plan, "megatron")
+    assert "--pipeline-model-parallel-layout" not in _args(ex.text)
+    assert any(n.startswith("schedule.kind='dualpipev': Megatron-LM has no such schedule") for n in ex.notes)
