@@ -63,16 +63,6 @@ def plans():
     }
 
 
-@pytest.fixture(scope="module")
-def plan_718b():
-    """The 718B plan at the layout `moeplan compile pangu-ultra-moe-718b --target ascend-910b --devices 6144`
-    picks (fixed here so that no search runs)."""
-    spec = load_spec("pangu-ultra-moe-718b")
-    return compile_model(spec=spec, target=load_target("ascend-910b"), num_devices=6144, workers=1,
-                         fixed=Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len, tp=2, pp=16, vpp=4, ep=8,
-                                     etp=1, cp=4, micro_batch=1)).plan
-
-
 def _args(text: str) -> dict[str, list[str]]:
     """The emitted argument lines as flag → values; every flag once."""
     out: dict[str, list[str]] = {}

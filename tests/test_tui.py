@@ -3,7 +3,6 @@
 import asyncio
 import html
 import re
-from pathlib import Path
 from importlib import resources
 from collections import Counter
 
@@ -18,7 +17,7 @@ from moeplan.actions import compute_parts
 from moeplan.cli import app as cli_app
 from moeplan.compile import compile_model
 from moeplan.errors import PlanError
-from moeplan.plan import load_plan, save_plan
+from moeplan.plan import save_plan
 from moeplan.search import Fixed
 from moeplan.spec import load_spec
 from moeplan.targets import load_target
@@ -239,19 +238,6 @@ def test_plan_text_is_printed_as_it_is_never_as_markup(plan, tmp_path):
     for args in (("describe", model), ("compile", model, "--target", "cpu", "--devices", "2")):
         proc = run_moeplan(*args)
         assert proc.returncode == 0 and proc.stdout.startswith(odd), proc.stderr
-
-
-GOLDEN_718B = (Path(__file__).parent / "golden" / "__snapshots__" / "test_golden"
-               / "test_compile[pangu-ultra-718b-default][plan].yaml")
-
-
-@pytest.fixture(scope="module")
-def plan_718b(tmp_path_factory):
-    """The README's main job's plan (the 718B on 6144 NPUs: pp 16, vpp 4, five comm classes), from its golden file
-    with the masked wall-clock seconds set to 0."""
-    path = tmp_path_factory.mktemp("golden") / "718b.yaml"
-    path.write_text(GOLDEN_718B.read_text().replace("<seconds>", "0.0"))
-    return load_plan(path)
 
 
 @pytest.mark.parametrize("which", ["tiny", "718b"])
