@@ -349,6 +349,32 @@ def test_a_rank_stopped_while_reporting_leaves_no_half_report(tmp_path, monkeypa
         ProcessFailure(local_rank=0, pid=10, exitcode=-signal.SIGTERM, error_file=str(report))
 
 
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs (needs root and mount(8), else the test is skipped): smaller than one rank's checkpoint."""
+    where = tmp_path / "full"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_a_full_disk_ends_the_run_with_one_line_naming_it(setup, full_disk):
+    """End to end on a real full file system: the run stops at its first checkpoint with one line that names the
+    rank, ENOSPC, the folder and the bytes, and no traceback (before, the real ENOSPC was buried in a flood of
+    tracebacks from every rank)."""
+    proc = moeplan("run", str(setup / "plan.yaml"), "--steps", "4", "--data", str(setup / "tokens.npy"),
+                   "--checkpoint-every", "2", "--checkpoint-dir", str(full_disk / "ck"))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert errors[0].startswith("error: rank ") and "checkpoint of step 2 into " in errors[0], errors[0]
+    assert "No space left on device: the file system has" in errors[0] and "[Errno 28]" in errors[0], errors[0]
+
+
 def test_a_full_disk_is_named_in_the_runs_one_line():
     """A checkpoint onto a full disk: torch's CheckpointException (a BaseException, which torch elastic's error
     report skips) ended the rank with a bare "exit code 1" under a flood of tracebacks, and its zip writer can report
