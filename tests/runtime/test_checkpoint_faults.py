@@ -349,6 +349,25 @@ def test_a_rank_stopped_while_reporting_leaves_no_half_report(tmp_path, monkeypa
         ProcessFailure(local_rank=0, pid=10, exitcode=-signal.SIGTERM, error_file=str(report))
 
 
+def test_two_runs_started_together_on_one_folder(setup, uninterrupted, tmp_path):
+    """Two ``moeplan run`` given the same --checkpoint-dir, started at once: one crashed and the other's checkpoint
+    mixed both runs' tensors (issue 34). Now one holds the folder and trains, the other is refused in one line
+    before it launches a rank, and the checkpoints are the winner's alone: its steps 2 and 4, its losses."""
+    ck, data = tmp_path / "ck", str(setup / "tokens.npy")
+    runs = [subprocess.Popen([sys.executable, "-m", "moeplan.cli", "run", str(setup / "plan.yaml"), "--steps", "4",
+                              "--data", data, "--checkpoint-every", "2", "--checkpoint-dir", str(ck), "--metrics",
+                              str(tmp_path / f"m{i}.jsonl")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(2)]
+    results = [(p.wait(timeout=120), p.communicate()[1]) for p in runs]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(err for code, err in results if code == 2).strip().splitlines()
+    assert len(refused) == 1 and "another moeplan run (pid " in refused[0] and "is using it" in refused[0], refused
+    won = next(i for i, (code, _) in enumerate(results) if code == 0)
+    assert not (tmp_path / f"m{1 - won}.jsonl").exists()  # refused before it trained or wrote anything
+    assert losses(tmp_path / f"m{won}.jsonl") == {s: v for s, v in uninterrupted.items() if s <= 4}
+    assert sorted(p.name for p in ck.iterdir()) == [".lock", "step-00000002", "step-00000004"]
+
+
 @pytest.fixture
 def full_disk(tmp_path):
     """A 64 KiB tmpfs (needs root and mount(8), else the test is skipped): smaller than one rank's checkpoint."""
