@@ -385,13 +385,28 @@ def full_disk(tmp_path):
 def test_a_full_disk_ends_the_run_with_one_line_naming_it(setup, full_disk):
     """End to end on a real full file system: the run stops at its first checkpoint with one line that names the
     rank, ENOSPC, the folder and the bytes, and no traceback (before, the real ENOSPC was buried in a flood of
-    tracebacks from every rank)."""
+    tracebacks from every rank). A disk already full refuses the run before launch: the lock file cannot be
+    written."""
     proc = moeplan("run", str(setup / "plan.yaml"), "--steps", "4", "--data", str(setup / "tokens.npy"),
                    "--checkpoint-every", "2", "--checkpoint-dir", str(full_disk / "ck"))
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert errors[0].startswith("error: rank ") and "checkpoint of step 2 into " in errors[0], errors[0]
-    assert "No space left on device: the file system has" in errors[0] and "[Errno 28]" in errors[0], errors[0]
+    # the cause in brackets is the rank's own exception: OSError [Errno 28], or torch's zip writer's short write
+    assert "No space left on device: the file system has 0 bytes free" in errors[0], errors[0]
+    fd = os.open(full_disk / "filler", os.O_WRONLY | os.O_CREAT)  # fill what is left, unbuffered
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    proc = moeplan("run", str(setup / "plan.yaml"), "--steps", "4", "--data", str(setup / "tokens.npy"),
+                   "--checkpoint-every", "2", "--checkpoint-dir", str(full_disk / "ck2"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "checkpoint_dir=" in lines[0] and "No space left on device" in lines[0], lines[0]
 
 
 def test_a_full_disk_is_named_in_the_runs_one_line():
