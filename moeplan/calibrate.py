@@ -154,6 +154,8 @@ class Calibration:
     loaded_s: dict[str, float]
     async_s: dict[str, float]
     async_p2p_s: float
+    rounds: int = LOADED_REPEATS
+    """Rounds of the loaded gloo measurement whose median ``loaded_s``, ``async_s`` and ``async_p2p_s`` are."""
 
     @property
     def cube_flops(self) -> float:
@@ -282,8 +284,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _gloo_rank(rank: int, port: int, out: str) -> None:
-    """One of the 2 benchmark ranks: median p2p (half ping-pong) and all-reduce seconds per message size."""
+def _gloo_rank(rank: int, port: int, out: str, rounds: int = LOADED_REPEATS) -> None:
+    """One of the 2 benchmark ranks: median p2p (half ping-pong) and all-reduce seconds per message size, then
+    :func:`measure_loaded_gloo` over ``rounds`` rounds."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
@@ -305,7 +308,7 @@ def _gloo_rank(rank: int, port: int, out: str) -> None:
             reduces.append(time.perf_counter() - t0)
         result["p2p"][size] = statistics.median(pings)
         result["all_reduce"][size] = statistics.median(reduces)
-    loaded = measure_loaded_gloo(rank)
+    loaded = measure_loaded_gloo(rank, rounds=rounds)
     if rank == 0:
         Path(out).write_text(yaml.safe_dump({**result, "loaded": loaded}))
     dist.destroy_process_group()
@@ -379,14 +382,15 @@ def _loaded_period_s(op: str | None, rank: int) -> float:
     return (time.perf_counter() - t0) / LOADED_ITERS
 
 
-def measure_loaded_gloo(rank: int) -> dict[str, float]:
+def measure_loaded_gloo(rank: int, *, rounds: int = LOADED_REPEATS) -> dict[str, float]:
     """Effective seconds per message of each op of ``LOADED_OPS`` (``LOADED_BYTES`` per rank) while both ranks
     compute, and of ``ASYNC_OPS`` (posted before the burst, waited after; module docstring): the median over
-    ``LOADED_REPEATS`` rounds of (period with the op − period without it, measured right before), so slow drifts of
-    the machine cancel. Call on both ranks of an initialised 2-rank gloo group, one thread each."""
+    ``rounds`` (default ``LOADED_REPEATS``) rounds of (period with the op − period without it, measured right
+    before), so slow drifts of the machine cancel. Call on both ranks of an initialised 2-rank gloo group, one thread
+    each."""
     _loaded_period_s(None, rank)  # warm-up
     diffs: dict[str, list[float]] = {op: [] for op in (*LOADED_OPS, *ASYNC_OPS)}
-    for _ in range(LOADED_REPEATS):
+    for _ in range(rounds):
         for op in diffs:
             base = _loaded_period_s(None, rank)
             diffs[op].append(_loaded_period_s(op, rank) - base)
@@ -394,27 +398,31 @@ def measure_loaded_gloo(rank: int) -> dict[str, float]:
     return {op: max(0.0, statistics.median(d) / per_iter.get(op, 1)) for op, d in diffs.items()}
 
 
-def measure_gloo() -> tuple[dict[int, float], dict[int, float], dict[str, float]]:
+def measure_gloo(rounds: int = LOADED_REPEATS) -> tuple[dict[int, float], dict[int, float], dict[str, float]]:
     """(p2p seconds, all-reduce seconds) by message bytes between 2 idle local gloo ranks, and the seconds per
-    message by op between compute bursts (:func:`measure_loaded_gloo`, the asynchronous ops included)."""
+    message by op between compute bursts (:func:`measure_loaded_gloo` over ``rounds``, the asynchronous ops
+    included)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="moeplan-calibrate-") as tmp:
         out = os.path.join(tmp, "gloo.yaml")
-        mp.spawn(_gloo_rank, args=(_free_port(), out), nprocs=2, join=True)
+        mp.spawn(_gloo_rank, args=(_free_port(), out, rounds), nprocs=2, join=True)
         data = yaml.safe_load(Path(out).read_text())
     return data["p2p"], data["all_reduce"], data["loaded"]
 
 
-def calibrate() -> Calibration:
+def calibrate(*, rounds: int = LOADED_REPEATS) -> Calibration:
+    """Every measurement of the module docstring; the loaded gloo figures are the median of ``rounds`` rounds (most
+    of the minute calibrate takes: fewer rounds are quicker and noisier)."""
     matmul, vector, memory, mm_s, mul_s = measure_compute()
     fwd_s, bwd_s = measure_kernel_launch()
-    p2p, reduce, loaded = measure_gloo()
+    p2p, reduce, loaded = measure_gloo(rounds)
     async_s = {kind: loaded.pop(f"async_{kind}") for kind in ASYNC_KINDS}
     p2p_post_s = loaded.pop("async_p2p")
     return Calibration(matmul_flops=matmul, vector_flops=vector, memory_bytes_per_s=memory, launch_matmul_s=mm_s,
                        launch_other_s=mul_s, forward_kernel_s=fwd_s, backward_kernel_s=bwd_s, p2p_s=p2p,
-                       all_reduce_s=reduce, loaded_s=loaded, async_s=async_s, async_p2p_s=p2p_post_s)
+                       all_reduce_s=reduce, loaded_s=loaded, async_s=async_s, async_p2p_s=p2p_post_s,
+                       rounds=rounds)
 
 
 def calibrated_target(base: Target, cal: Calibration, *, name: str) -> Target:
@@ -570,8 +578,8 @@ def write_target(target: Target, cal: Calibration, path: str | Path, *, fit: Lau
              f"backward {cal.backward_kernel_s * 1e6:.2f} us",
              *(f"#   gloo 2 ranks {s} B: p2p {cal.p2p_s[s] * 1e6:.1f} us, all-reduce {cal.all_reduce_s[s] * 1e6:.1f} us"
                for s in sorted(cal.p2p_s)),
-             f"#   gloo 2 ranks, {LOADED_BYTES} B between compute bursts (launch.collective_latency_s, less the "
-             "transfer time): " + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in sorted(cal.loaded_s.items())),
+             f"#   gloo 2 ranks, {LOADED_BYTES} B between compute bursts, median of {cal.rounds} rounds "
+             "(launch.collective_latency_s, less the transfer time): " + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in sorted(cal.loaded_s.items())),
              f"#   gloo 2 ranks, {LOADED_BYTES} B posted before a compute burst, waited after: "
              + ", ".join(f"{kind} {t * 1e6:.1f} us" for kind, t in cal.async_s.items())
              + " (comm_compute_slowdown_by_kind = each / its blocking cost; comm_compute_slowdown: all_to_all's)",

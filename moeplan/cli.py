@@ -408,6 +408,8 @@ def calibrate_cmd(target: str = typer.Option("cpu", "--target", help="base targe
                   name: Optional[str] = typer.Option(None, "--name", help="target name (default: the file's stem)"),
                   fit_model: Optional[str] = typer.Option(None, "--fit-model",
                                                           help="scale the launch costs to a measured step of MODEL"),
+                  rounds: int = typer.Option(15, "--rounds", help="rounds of the gloo measurement beside compute, "
+                                             "whose median is kept (fewer: quicker, noisier)"),
                   as_json: bool = typer.Option(False, "--json", help="print the calibrated target as JSON")) -> None:
     """Measure this machine (matmul, elementwise, per-op overhead, gloo α–β) and write a calibrated cpu target."""
     from pathlib import Path
@@ -419,12 +421,13 @@ def calibrate_cmd(target: str = typer.Option("cpu", "--target", help="base targe
     from moeplan.spec import load_spec
     from moeplan.targets import load_target
 
+    positive("rounds", rounds)
     base = load_target(target)
     if base.backend != "cpu":
         raise TargetError(f"target={target!r}: calibrate measures this machine's CPU; choose a cpu target")
     spec = load_spec(fit_model) if fit_model else None
     check_output(output)  # before a minute of measuring
-    cal = calibrate()
+    cal = calibrate(rounds=rounds)
     tgt = calibrated_target(base, cal, name=name or Path(output).stem)
     fit = fit_launch_scale(spec, tgt) if spec is not None else None
     if fit is not None:
