@@ -579,7 +579,8 @@ def write_target(target: Target, cal: Calibration, path: str | Path, *, fit: Lau
              *(f"#   gloo 2 ranks {s} B: p2p {cal.p2p_s[s] * 1e6:.1f} us, all-reduce {cal.all_reduce_s[s] * 1e6:.1f} us"
                for s in sorted(cal.p2p_s)),
              f"#   gloo 2 ranks, {LOADED_BYTES} B between compute bursts, median of {cal.rounds} rounds "
-             "(launch.collective_latency_s, less the transfer time): " + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in sorted(cal.loaded_s.items())),
+             "(launch.collective_latency_s, less the transfer time): "
+             + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in sorted(cal.loaded_s.items())),
              f"#   gloo 2 ranks, {LOADED_BYTES} B posted before a compute burst, waited after: "
              + ", ".join(f"{kind} {t * 1e6:.1f} us" for kind, t in cal.async_s.items())
              + " (comm_compute_slowdown_by_kind = each / its blocking cost; comm_compute_slowdown: all_to_all's)",

@@ -18,10 +18,9 @@ def check_plan(plan: Plan) -> None:
 
     Rules: the model hash matches its spec; tp·cp·dp·pp equals the device count; the global batch is
     dp·micro_batch·num_microbatches sequences, and the layout's seq_len and global_batch are the spec's; the memory
-    budget is within the target's device memory; the stages
-    have pp ranks of vpp chunks; every layer of the model sits on exactly one chunk (empty layers only as listed),
-    in the model's order along the stages; the schedule has one action list per PP rank and every action is of the
-    pipelining notation on a stage the rank holds.
+    budget is within the target's device memory; the stages have pp ranks of vpp chunks; every layer of the model
+    sits on exactly one chunk (empty layers only as listed), in the model's order along the stages; the schedule has
+    one action list per PP rank and every action is of the pipelining notation on a stage the rank holds.
     """
     lay, spec = plan.layout, plan.model.spec
     if spec.fingerprint() != plan.model.fingerprint:

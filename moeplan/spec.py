@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import reprlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -401,13 +402,14 @@ def _check_aliases(cfg: dict, source: str) -> None:
     for group in HF_ALIASES:
         (key, value), *others = [(k, cfg[k]) for k in group if cfg.get(k) is not None] or [(None, None)]
         for other, v in others:
-            if v != value:
-                raise SpecError(f"{other}={v!r}: names the same quantity as {key}={value!r} with another value; "
-                                f"keep one of them (in {source})", reason="config keys disagree")
+            if v != value:  # reprlib: a value that only one key types (experts_per_token) may be any size
+                raise SpecError(f"{other}={reprlib.repr(v)}: names the same quantity as {key}={reprlib.repr(value)} "
+                                f"with another value; keep one of them (in {source})", reason="config keys disagree")
     first, dense = cfg.get("first_k_dense_replace"), cfg.get("mlp_only_layers")
     if first is not None and isinstance(dense, list) and len(dense) != first:
-        raise SpecError(f"mlp_only_layers={dense!r}: {len(dense)} dense layers where first_k_dense_replace={first!r}; "
-                        f"keep one of them (in {source})", reason="config keys disagree")
+        raise SpecError(f"mlp_only_layers={reprlib.repr(dense)}: {len(dense)} dense layers where "
+                        f"first_k_dense_replace={first!r}; keep one of them (in {source})",
+                        reason="config keys disagree")
 
 
 def _hf_names(message: str, cfg: dict) -> str:
