@@ -16,8 +16,8 @@ from typing import Optional
 import typer
 from rich.text import Text
 
-from moeplan.cli_errors import (INTERRUPTED_EXIT, GuardedGroup, Invocation, StdoutConsole, err, exit_on_broken_pipe,
-                                exit_on_error, invocation_of, warn)
+from moeplan.cli_errors import (GuardedGroup, Invocation, StdoutConsole, err, exit_on_broken_pipe, exit_on_error,
+                                exit_on_interrupt, invocation_of, warn)
 from moeplan.cli_options import OVERLAP_HELP, PIPELINE_HELP, choice, integer, positive, run_request, strategy_options
 from moeplan.errors import LayoutError
 
@@ -575,9 +575,8 @@ def main() -> None:
         app()
     except BrokenPipeError:
         exit_on_broken_pipe()
-    except KeyboardInterrupt:  # outside any command (while the arguments are parsed)
-        err.print("moeplan: interrupted (Ctrl-C); nothing was written", markup=False)
-        sys.exit(INTERRUPTED_EXIT)
+    except KeyboardInterrupt:  # outside any command (before typer parses the arguments)
+        exit_on_interrupt()
     except Exception as e:
         exit_on_error(e, invocation_of(e))
 

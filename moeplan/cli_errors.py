@@ -63,6 +63,13 @@ def exit_on_broken_pipe() -> NoReturn:
     sys.exit(BROKEN_PIPE_EXIT)
 
 
+def exit_on_interrupt(command: str | None = None) -> NoReturn:
+    """Stop on Ctrl-C that came before a command's own handling: ``moeplan [COMMAND]: interrupted (Ctrl-C); nothing
+    was written`` on stderr, exit :data:`INTERRUPTED_EXIT`."""
+    err.print(f"moeplan{f' {command}' if command else ''}: interrupted (Ctrl-C); nothing was written", markup=False)
+    sys.exit(INTERRUPTED_EXIT)
+
+
 class StdoutConsole(Console):
     """The console of a command's output. Strings print as they are, never as rich markup: names, labels and reasons
     come from the user's files (a model named ``[/oops]`` raised rich's MarkupError), so styles are given as
@@ -115,8 +122,7 @@ class GuardedGroup(TyperGroup):
         try:
             return super().make_context(info_name, args, parent=parent, **extra)
         except KeyboardInterrupt:  # Ctrl-C while the arguments are parsed: typer's main would exit 130 in silence
-            err.print("moeplan: interrupted (Ctrl-C); nothing was written", markup=False)
-            sys.exit(INTERRUPTED_EXIT)
+            exit_on_interrupt()
 
     def invoke(self, ctx):
         try:
@@ -124,8 +130,7 @@ class GuardedGroup(TyperGroup):
         except BrokenPipeError:  # a write outside the console: before click, which turns it into exit 1
             exit_on_broken_pipe()
         except KeyboardInterrupt:  # Ctrl-C before the command's own handling (moeplan run's, once ranks run)
-            err.print(f"moeplan {ctx.invoked_subcommand}: interrupted (Ctrl-C); nothing was written", markup=False)
-            sys.exit(INTERRUPTED_EXIT)
+            exit_on_interrupt(ctx.invoked_subcommand)
         except Exception as e:
             if isinstance(ctx.obj, Invocation) and not hasattr(e, _INVOCATION):
                 setattr(e, _INVOCATION, ctx.obj)
