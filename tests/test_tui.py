@@ -57,11 +57,11 @@ def screen_text(app):
     return html.unescape(re.sub(r"<[^>]+>", "", app.export_screenshot())).replace("\xa0", " ")
 
 
-def drive(plan, script):
-    """Run the app at 120x40 and ``await script(app, pilot)`` in it."""
+def drive(plan, script, size=(120, 40)):
+    """Run the app at ``size`` (columns, rows) and ``await script(app, pilot)`` in it."""
     async def main():
         app = InspectApp(plan)
-        async with app.run_test(size=(120, 40)) as pilot:
+        async with app.run_test(size=size) as pilot:
             await pilot.pause()
             await script(app, pilot)
     asyncio.run(main())
@@ -297,10 +297,4 @@ def test_no_table_runs_under_the_scroll_bar_at_80_columns(plan_718b):
                 assert all(len(line) <= 80 and not set(line[78:80]) & box for line in lines), (key, "\n".join(lines))
                 await pilot.press("pagedown")
                 await pilot.pause()
-
-    async def main():
-        app = InspectApp(plan_718b)
-        async with app.run_test(size=(80, 24)) as pilot:
-            await pilot.pause()
-            await script(app, pilot)
-    asyncio.run(main())
+    drive(plan_718b, script, size=(80, 24))

@@ -83,6 +83,22 @@ def run_until(launcher: subprocess.Popen, metrics: Path, *, ranks: tuple[int, ..
     return pids  # type: ignore[return-value]
 
 
+def signal_a_rank(launcher: subprocess.Popen, metrics: Path, *, ranks: tuple[int, ...], steps: int,
+                  sig: signal.Signals) -> tuple[list[int], str, float]:
+    """Once the workers of ``ranks`` have trained ``steps`` steps (:func:`run_until`), send ``sig`` to the last of
+    them: (the workers' pids, the launcher's stderr, seconds from the signal to the launcher's exit). The launcher is
+    killed if it is still running after that."""
+    try:
+        workers = run_until(launcher, metrics, ranks=ranks, steps=steps)
+        os.kill(workers[-1], sig)
+        t0 = time.monotonic()
+        _, stderr = launcher.communicate(timeout=60)
+        return workers, stderr, time.monotonic() - t0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
@@ -107,16 +123,8 @@ def test_killed_rank_stops_every_rank_and_resume_reproduces_losses(setup, uninte
     args = [sys.executable, "-m", "moeplan.cli", "run", str(setup / "plan.yaml"), "--data", str(setup / "tokens.npy"),
             "--metrics", str(metrics), "--checkpoint-every", "2", "--checkpoint-dir", str(ck)]
     launcher = subprocess.Popen([*args, "--steps", "1000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        workers = run_until(launcher, metrics, ranks=(0, 1), steps=3)  # kill at step 3 or 4, well before STEPS
-        pid = workers[1]
-        os.kill(pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        _, stderr = launcher.communicate(timeout=60)
-        took = time.monotonic() - t0
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+    # kill rank 1 at step 3 or 4, well before STEPS
+    workers, stderr, took = signal_a_rank(launcher, metrics, ranks=(0, 1), steps=3, sig=signal.SIGKILL)
     assert launcher.returncode != 0 and took < 60
     assert "rank 1 failed" in stderr and "SIGKILL" in stderr, stderr
     assert "Traceback" not in stderr and "[rank" not in stderr, stderr  # one line, not every casualty's traceback
@@ -142,15 +150,7 @@ def test_a_stopped_rank_is_found_by_its_heartbeat(setup):
     launcher = subprocess.Popen([sys.executable, "-m", "moeplan.cli", "run", str(setup / "plan.yaml"), "--data",
                                  str(setup / "tokens.npy"), "--metrics", str(metrics), "--steps", "100000",
                                  "--timeout", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        pid, = run_until(launcher, metrics, ranks=(1,), steps=2)
-        os.kill(pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        _, stderr = launcher.communicate(timeout=60)
-        took = time.monotonic() - t0
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+    (pid,), stderr, took = signal_a_rank(launcher, metrics, ranks=(1,), steps=2, sig=signal.SIGSTOP)
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert launcher.returncode == 1 and took < 30, (took, stderr)
     assert len(errors) == 1 and errors[0].startswith("error: rank 1 stopped: no heartbeat for 1"), stderr

@@ -230,6 +230,18 @@ def test_printed_torchrun_command_runs_to_completion(pp2):
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
 
 
+def ctrl_c(launcher: subprocess.Popen, wait) -> str:
+    """``wait()``, then SIGINT to the launcher's process group, as a terminal sends Ctrl-C; the launcher's stderr. The
+    group is killed if it is still running after that."""
+    try:
+        wait()
+        os.killpg(launcher.pid, signal.SIGINT)
+        return launcher.communicate(timeout=60)[1]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
 def test_ctrl_c_prints_one_line_and_exits_130(pp2):
     """SIGINT to the process group, as a terminal sends it, once a step has been trained."""
     metrics = pp2 / "interrupted.jsonl"
@@ -237,16 +249,13 @@ def test_ctrl_c_prints_one_line_and_exits_130(pp2):
                                  "--metrics", str(metrics), "--data", str(pp2 / "tokens.npy"), "--checkpoint-every",
                                  "1", "--checkpoint-dir", str(pp2 / "ck_interrupted")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+
+    def step_2_begun() -> None:
         deadline = time.monotonic() + 120
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # step 1's checkpoint is complete
             assert launcher.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
             time.sleep(0.01)
-        os.killpg(launcher.pid, signal.SIGINT)
-        _, stderr = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+    stderr = ctrl_c(launcher, step_2_begun)
     lines = stderr.splitlines()
     assert launcher.returncode == 130 and len(lines) == 1, stderr
     ref = newest_checkpoint(pp2 / "ck_interrupted")
@@ -264,13 +273,7 @@ def test_ctrl_c_before_the_first_step_prints_one_line_and_exits_130(pp2, after_s
     launcher = subprocess.Popen([str(script), "run", str(pp2 / "plan.yaml"), "--steps", "10000", "--data",
                                  str(pp2 / "tokens.npy")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        time.sleep(after_s)
-        os.killpg(launcher.pid, signal.SIGINT)
-        _, stderr = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+    stderr = ctrl_c(launcher, lambda: time.sleep(after_s))
     lines = stderr.splitlines()
     assert launcher.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0], stderr
 
