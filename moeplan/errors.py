@@ -78,3 +78,8 @@ def validation_message(error: dict, *, where: str) -> str:
     if error["type"] in ("less_than_equal", "less_than", "too_long"):
         where += "; docs/inputs.md gives the reason for the bound"
     return f"{field}={value}: {rule} ({where})"
+
+
+class LoadError(MoeplanError, ValueError):
+    """An expert-load trace is malformed or does not match the model (wrong expert count, negative counts, layers
+    the model does not have); one line naming the field, the value and the rule (exit code 2)."""
