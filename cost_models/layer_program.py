@@ -180,11 +180,16 @@ def ep_transfer(spec: ModelSpec, layout: Layout, target: Target, dispatcher: Dis
     FP8 training sends the dispatch direction (forward dispatch, backward combine-gradient) in FP8 with 1×128
     scales and the combine direction in bf16 (DeepSeek-V3 §3.3.3 "Low-Precision Communication"). ``metadata``:
     the routing metadata travel with the rows (the forward dispatch and its backward mirror only,
-    moeplan.cost_models.dispatch)."""
+    moeplan.cost_models.dispatch).
+
+    Imbalanced routing (``layout.expert_load`` > 1): every rank sends its own ``T·top_k`` copies, but the busiest
+    rank of the group receives ``expert_load`` times the balanced share (and sends that many back in the combine);
+    an all-to-all ends when its busiest endpoint has moved its bytes, so the transfer is priced as a dispatch of
+    ``expert_load·T`` tokens (docs/load-balance.md)."""
     n, stride = expert_group(layout)
     if n == 1:
         return None
-    tokens = act_bytes(spec, layout, target) / (spec.hidden_size * target.dtype_bytes)
+    tokens = act_bytes(spec, layout, target) / (spec.hidden_size * target.dtype_bytes) * layout.expert_load
     payload = FP8_ROW_BYTES if dispatch_direction and target.training_dtype == "fp8" else target.dtype_bytes
     cost = dispatch_cost(dispatcher, tokens=tokens, hidden=spec.hidden_size, payload_bytes=payload,
                          routing=routing_of(spec), group_size=n, stride=stride, target=target, metadata=metadata)

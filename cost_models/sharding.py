@@ -40,11 +40,12 @@ SELECTIVE_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.NORM, OpKind.ATTENTION})
 
 def op_scale(op: OpAnnotation, layout: Layout) -> float:
     """Factor from the traced per-sequence work (FLOPs, activation bytes) of ``op`` to one micro-batch on one
-    device."""
+    device. A routed-expert op (permute, experts, unpermute) on the busiest rank of the expert group: times
+    ``layout.expert_load``."""
     scale = layout.micro_batch / layout.cp
     if op.shard in (ShardHint.TP, ShardHint.EXPERT) or (op.shard == ShardHint.SP and layout.sequence_parallel):
         scale /= layout.tp
-    return scale
+    return scale * layout.expert_load if op.shard == ShardHint.EXPERT else scale
 
 
 def weight_scale(op: OpAnnotation, layout: Layout) -> float:
@@ -53,7 +54,7 @@ def weight_scale(op: OpAnnotation, layout: Layout) -> float:
     if op.shard == ShardHint.TP:
         return 1 / layout.tp
     if op.shard == ShardHint.EXPERT:
-        return 1 / (layout.ep * layout.tp)
+        return layout.expert_replication / (layout.ep * layout.tp)
     return 1.0
 
 
@@ -77,8 +78,9 @@ def gemm_shape(op: OpAnnotation, layout: Layout) -> tuple[int, int, int] | None:
     def up(x: float) -> int:
         return max(1, math.ceil(x - 1e-9))
 
-    if op.shard == ShardHint.EXPERT:
-        return (up(m * layout.micro_batch * layout.expert_shards / (layout.cp * layout.tp)), up(n / layout.etp), k)
+    if op.shard == ShardHint.EXPERT:  # the busiest rank's tokens per local expert (Layout.expert_load)
+        tokens = m * layout.micro_batch * layout.expert_shards * layout.expert_load / (layout.cp * layout.tp)
+        return (up(tokens / layout.expert_replication), up(n / layout.etp), k)
     tokens = layout.micro_batch / layout.cp
     if op.shard == ShardHint.TP and op.op_kind in (OpKind.MATMUL, OpKind.GROUPED_MATMUL):
         row = op.module_path.rsplit(".", 1)[-1] in ROW_PARALLEL
@@ -115,21 +117,21 @@ def layer_cost(lg: LayerGraph, *, spec: ModelSpec, layout: Layout, target: Targe
         dx, dw = dx + extra[0], dw + extra[1]
     saved, saved_sel = _saved_bytes(lg, layout, target, precision.fp8_activation_input)
     dense = lg.param_count - lg.expert_param_count + lg.shared_param_count
+    experts = lg.expert_param_count * layout.expert_replication / (layout.ep * layout.tp)  # replicas included
     steps = forward_steps(lg, spec=spec, layout=layout, target=target, dispatcher=dispatcher)
     prog, comm = program(steps, lambda op: times[op.name], bwd_extra_s=extra), layer_collectives(steps)
     from moeplan.cost_models.memory import DTYPE_BYTES, fsdp_reshards
 
     if layout.dp_shard > 1 and fsdp_reshards(layout):  # under PP, once per step (cost_models/step.py)
         gathers, scatters = fsdp_collectives(dense_params=dense / layout.tp,
-                                             expert_params=lg.expert_param_count / (layout.ep * layout.tp),
+                                             expert_params=experts,
                                              layout=layout, target=target,
                                              grad_bytes=DTYPE_BYTES[precision.grad_dtype])
         prog = with_fsdp(prog, gathers, scatters)
         comm += gathers + tuple(replace(g, phase="bwd") for g in gathers) + scatters
     return LayerCost(
         kind=lg.kind, fwd_s=fwd, bwd_input_s=dx, bwd_weight_s=dw, comm=comm, program=prog,
-        params=int(dense / layout.tp + lg.expert_param_count / (layout.ep * layout.tp)),
-        expert_params=int(lg.expert_param_count / (layout.ep * layout.tp)),
+        params=int(dense / layout.tp + experts), expert_params=int(experts),
         saved_bytes=saved, saved_selective_bytes=saved_sel,
         saved_full_bytes=int(dtype_scaled(lg.input_bytes, 0, target) * layout.micro_batch
                              / (layout.cp * _sp(layout))) if lg.ops else 0,

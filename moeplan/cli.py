@@ -18,7 +18,8 @@ from rich.text import Text
 
 from moeplan.cli_errors import (GuardedGroup, Invocation, StdoutConsole, err, exit_on_broken_pipe, exit_on_error,
                                 exit_on_interrupt, invocation_of, warn)
-from moeplan.cli_options import OVERLAP_HELP, PIPELINE_HELP, choice, integer, positive, run_request, strategy_options
+from moeplan.cli_options import (OVERLAP_HELP, PIPELINE_HELP, choice, expert_load_model, integer, positive, run_request,
+                                strategy_options)
 from moeplan.errors import LayoutError
 
 app = typer.Typer(cls=GuardedGroup, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -105,6 +106,17 @@ def compile_cmd(
                                               help="with --training-dtype fp8, the SwiGLU keeps its input in FP8 "
                                                    "(Megatron-LM's activation_func_fp8_input_store)"),
     pipeline: Optional[str] = typer.Option(None, "--pipeline", help=PIPELINE_HELP),
+    expert_load: Optional[str] = typer.Option(None, "--expert-load",
+                                              help="price imbalanced routing from this expert-load trace "
+                                                   "(docs/load-balance.md; default: balanced routing)"),
+    expert_load_window: Optional[str] = typer.Option(None, "--expert-load-window",
+                                                     help="START:STOP positions of the trace's steps to use "
+                                                          "(default: all)"),
+    expert_policy: Optional[str] = typer.Option(None, "--expert-policy",
+                                                help="place-experts policy: contiguous|greedy|eplb (default: "
+                                                     "contiguous)"),
+    expert_replicas: Optional[int] = typer.Option(None, "--expert-replicas",
+                                                  help="eplb: extra expert slots per EP rank for replicas"),
     top: int = typer.Option(1, "--top", help="print the best K layouts"),
     candidates: int = typer.Option(4, "--candidates",
                                    help="best estimates simulated with the full pipeline (at least --top), then as many "
@@ -120,6 +132,7 @@ def compile_cmd(
     from moeplan.plan import save_plan
     from moeplan.render import (layout_dict, predicted_dict, render_plan, render_search, search_dict, search_summary,
                                 shape_sources)
+    from moeplan.load_model import POLICIES
     from moeplan.search import Fixed, check_pipeline
     from moeplan.runtimes import RUNTIMES
     from moeplan.state import Precision
@@ -141,10 +154,16 @@ def compile_cmd(
                           main_params_dtype=choice("main_params_dtype", main_params_dtype, ("fp32", "bf16", "fp16")),
                           moments_dtype=choice("optimizer_dtype", optimizer_dtype, ("fp32", "bf16")),
                           distributed_optimizer=distributed_optimizer, fp8_activation_input=fp8_activation_input)
+    load = expert_load_model(expert_load, window=expert_load_window, spec=spec, target=tgt) if expert_load else None
     fixed = Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp,
                   cp=cp, micro_batch=micro_batch, dp_shard=shard, search_fsdp=dp_shard == "auto", precision=precision,
+                  load=load,
                   **strategy_options(schedule=schedule, dispatcher=dispatcher, overlap=overlap, recompute=recompute))
     pipe = Pipeline.parse(pipeline or DEFAULT_PIPELINE)
+    if expert_policy is not None:
+        pipe = pipe.with_option("place-experts", "policy", choice("expert_policy", expert_policy, POLICIES))
+    if expert_replicas is not None:
+        pipe = pipe.with_option("place-experts", "replicas", expert_replicas)
     if memory_budget is not None:
         if not 0 < memory_budget <= tgt.memory_bytes / 2**30:
             raise LayoutError(f"memory_budget={memory_budget}: must be a positive number of GiB no larger than the "

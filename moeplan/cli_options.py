@@ -69,6 +69,25 @@ def strategy_options(*, schedule: str, dispatcher: str, overlap: str, recompute:
     return out
 
 
+def expert_load_model(path: str, *, window: Optional[str], spec, target):  # noqa: ANN001, ANN201
+    """``--expert-load PATH`` and ``--expert-load-window START:STOP`` as a :class:`moeplan.load_model.LoadModel` for
+    ``spec`` on ``target``. Raises LoadError (one line) for a trace moeplan cannot read, one of another model
+    (expert count, layers) or a window outside it."""
+    from moeplan.errors import LoadError
+    from moeplan.expert_load import read_trace
+    from moeplan.load_model import LoadModel
+
+    trace = read_trace(path, spec=spec)  # checked against the model too
+    span = None
+    if window is not None:
+        parts = window.split(":")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise LoadError(f"expert_load_window={window!r}: must be START:STOP, two step positions")
+        span = (int(parts[0]), int(parts[1]))
+    return LoadModel(trace, path=path, window=span, groups=spec.num_expert_groups,
+                     ranks_per_node=target.devices_per_node)
+
+
 def integer(name: str, text: str) -> int:
     """``text`` as an integer (an option that also takes ``auto``); else LayoutError."""
     try:

@@ -4,18 +4,21 @@ plan is replayed by moeplan/replay.py).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from moeplan import __version__
 from moeplan.compiler import DEFAULT_PIPELINE, Pipeline
 from moeplan.mechanisms import ordered
-from moeplan.plan import (SCHEMA_VERSION, Plan, PlanCollective, PlanComm, PlanCommClass, PlanExperts, PlanLayerCost,
-                          PlanLayerDecisions, PlanLayout, PlanMemory, PlanModel, PlanOpDecision, PlanPrecision,
-                          PlanPrediction, PlanProvenance, PlanRankMemory, PlanSchedule, PlanSharding, PlanStages)
+from moeplan.passes.shard import ShardPass
+from moeplan.passes.simulate import SimulatePass
+from moeplan.plan import (SCHEMA_VERSION, Plan, PlanCollective, PlanComm, PlanCommClass, PlanExpertLoad, PlanExperts,
+                          PlanLayerCost, PlanLayerDecisions, PlanLayerLoad, PlanLayout, PlanMemory, PlanModel,
+                          PlanOpDecision, PlanPrecision, PlanPrediction, PlanProvenance, PlanRankMemory, PlanSchedule,
+                          PlanSharding, PlanStages)
 from moeplan.search import Fixed, SearchResult, search
 from moeplan.search_eval import Evaluated
 from moeplan.spec import ModelSpec
-from moeplan.state import CommOp, GroupChoice
+from moeplan.state import CommOp, GroupChoice, PlanState
 from moeplan.targets import Target
 from moeplan.trace import trace_model
 
@@ -46,9 +49,22 @@ def compile_model(*, spec: ModelSpec, target: Target, num_devices: int, fixed: F
     trace_s = time.perf_counter() - t0
     result = search(graph=graph, target=target, num_devices=num_devices, fixed=fixed, pipeline=pipeline,
                     candidates=candidates, workers=workers, keep=keep)
+    best = result.ranked[0].state
+    balanced = balanced_step_s(best) if best.load is not None else None
     compile_s = time.perf_counter() - t0
-    plan = plan_from_state(result.ranked[0], pipeline=str(pipeline), compile_s=compile_s, trace_s=trace_s)
+    plan = plan_from_state(result.ranked[0], pipeline=str(pipeline), compile_s=compile_s, trace_s=trace_s,
+                           balanced_step_s=balanced)
     return CompileResult(plan=plan, result=result, compile_s=compile_s)
+
+
+def balanced_step_s(state: PlanState) -> float:
+    """The step of ``state``'s plan under balanced routing, seconds: every decision kept (stages, placement, memory
+    plan, schedule), the layer costs priced again without the load trace (``expert_load = expert_replication =
+    1``) and the step simulated again. What the plan's ``experts.load.balanced_step_s`` says, so that the step
+    against it is what the imbalance costs."""
+    balanced = replace(state.layout, expert_load=1.0, expert_replication=1.0)
+    again = SimulatePass().run(ShardPass().run(state.with_(layout=balanced, load=None)))
+    return again.prediction.step_time_s  # type: ignore[union-attr]
 
 
 def _collective(c: CommOp) -> PlanCollective:
@@ -65,8 +81,24 @@ def _plan_decisions(d: GroupChoice) -> PlanLayerDecisions:
                                                   saved_bytes=o.saved_bytes, flag=o.flag) for o in d.ops])
 
 
-def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: float = 0.0) -> Plan:
-    """Build the Plan of a fully compiled state."""
+def _plan_load(st: PlanState, balanced_step_s: float | None) -> PlanExpertLoad | None:
+    """The plan's record of the load trace the state was priced with (None without one)."""
+    placed, model = st.experts.load if st.experts else None, st.load
+    if placed is None or model is None:
+        return None
+    steps = model.trace.steps[model.window[0]:model.window[1]]  # type: ignore[index]
+    return PlanExpertLoad(trace=model.path, source=model.trace.source, window=[steps[0], steps[-1]],
+                          policy=placed.policy, replicas=placed.replicas,  # type: ignore[arg-type]
+                          balanced_step_s=balanced_step_s if balanced_step_s is not None else 0.0,
+                          layers=[PlanLayerLoad(layer=x.layer, shards=[list(s) for s in x.shards],
+                                                imbalance=x.imbalance, balancedness=x.balancedness, cv=x.cv)
+                                  for x in placed.layers])
+
+
+def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: float = 0.0,
+                    balanced_step_s: float | None = None) -> Plan:
+    """Build the Plan of a fully compiled state; ``balanced_step_s``: with a load trace, the step of the same plan
+    under balanced routing (:func:`balanced_step_s`)."""
     st = ev.state
     assert st.sharding and st.stages and st.experts and st.memory and st.schedule and st.prediction
     lay, spec, pred = st.layout, st.graph.spec, st.prediction
@@ -78,7 +110,8 @@ def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: 
                           micro_batch=lay.micro_batch, global_batch=lay.global_batch, seq_len=lay.seq_len,
                           num_devices=lay.world_size, num_microbatches=lay.num_microbatches,
                           sequence_parallel=lay.sequence_parallel, tp_extend_ep=lay.tp_extend_ep,
-                          dp_shard=lay.dp_shard),
+                          dp_shard=lay.dp_shard, expert_load=lay.expert_load,
+                          expert_replication=lay.expert_replication),
         stages=PlanStages(placement=st.stages.placement, chunks=[[list(c) for c in r] for r in st.stages.chunks],
                           chunk_time_s=[list(r) for r in st.stages.chunk_time_s], imbalance=st.stages.imbalance,
                           empty_layers=list(st.stages.empty_layers), reason=st.stages.reason),
@@ -88,7 +121,8 @@ def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: 
                                            params=c.params, saved_bytes=c.saved_bytes,
                                            collectives=[_collective(x) for x in c.comm])
                     for k, c in st.sharding.layer_costs.items()}),
-        experts=PlanExperts(shards=[list(s) for s in st.experts.shards], groups_aligned=st.experts.groups_aligned),
+        experts=PlanExperts(shards=[list(s) for s in st.experts.shards], groups_aligned=st.experts.groups_aligned,
+                            load=_plan_load(st, balanced_step_s)),
         memory=PlanMemory(budget_bytes=round(st.memory.budget_bytes), recompute=st.strategy.recompute,
                           recompute_modules=list(st.strategy.recompute_modules),
                           precision=PlanPrecision(**asdict(st.strategy.precision)), ranks=[

@@ -118,7 +118,8 @@ def layer_prices(graph: ModelGraph, kind: LayerKind, layout: Layout, target: Tar
     lg = graph.layer(kind)
     fsdp = (layout.dp_shard, layout.dp, layout.pp) if layout.dp_shard > 1 else ()
     key = (kind, layout.tp, layout.cp, layout.micro_batch, precision, fsdp) + (
-        (layout.ep, layout.etp, dispatcher) if lg.expert_param_count else ())
+        (layout.ep, layout.etp, dispatcher, layout.expert_load, layout.expert_replication)
+        if lg.expert_param_count else ())
     if key not in cache:
         lc = layer_cost(lg, spec=graph.spec, layout=layout, target=target, dispatcher=dispatcher, precision=precision,
                         op_times=cache.setdefault("op_times", {}))
@@ -130,7 +131,8 @@ def stage_params(layout: Layout, graph: ModelGraph, counts: Counter) -> tuple[fl
     """(dense, routed-expert) parameters per device of an average stage."""
     dense = sum(n * (graph.layer(k).param_count - graph.layer(k).expert_param_count + graph.layer(k).shared_param_count)
                 for k, n in counts.items()) / (layout.tp * layout.pp)
-    expert = sum(n * graph.layer(k).expert_param_count for k, n in counts.items()) / (layout.ep * layout.tp * layout.pp)
+    expert = (sum(n * graph.layer(k).expert_param_count for k, n in counts.items()) * layout.expert_replication
+              / (layout.ep * layout.tp * layout.pp))
     return dense, expert
 
 

@@ -36,6 +36,14 @@ class Layout:
     sharded over ``dp_shard`` of the ``dp`` replicas (times cp), each layer's weights all-gathered for its forward
     and backward and its gradients reduce-scattered; ``dp / dp_shard`` replicas of that (HSDP). 1: ZeRO-1 (the
     distributed optimizer over dp·cp)."""
+    expert_load: float = 1.0
+    """Routed (token, expert) copies the busiest rank of the expert group computes per micro-batch, over the
+    balanced share ``T·top_k/expert_shards`` (≥ 1; 1.0: balanced routing, every expert ``T·top_k/E`` tokens). Set
+    from a load trace and the placement policy (moeplan.cost_models.load); the slowest rank sets the pace of the
+    dispatch, the experts and the combine, and its activations are the ones that must fit (dropless routing)."""
+    expert_replication: float = 1.0
+    """Routed-expert parameters a device holds over its unreplicated share ``E/expert_shards`` (≥ 1; EPLB's
+    redundant experts: ``(E/expert_shards + r)/(E/expert_shards)`` with ``r`` replicas per rank)."""
 
     @property
     def world_size(self) -> int:
@@ -82,6 +90,11 @@ class Layout:
         return (f"tp{self.tp} pp{self.pp} vpp{self.vpp} ep{self.ep} etp{self.etp} cp{self.cp} dp{self.dp} "
                 f"mb{self.micro_batch}" + (f" fsdp{self.dp_shard}" if self.dp_shard > 1 else ""))
 
+    @property
+    def balanced(self) -> bool:
+        """Routing is priced balanced and no expert is replicated (no load trace)."""
+        return self.expert_load == 1.0 and self.expert_replication == 1.0
+
 
 MAX_DEVICES = 2**20
 MAX_MICROBATCHES = 2**16
@@ -110,6 +123,7 @@ REASONS = {
     "memory": "memory: plan exceeds device memory under every recompute mode",
     "schedule": "schedule: no schedule the target runs fits pp, vpp and the micro-batches",
     "pass": "a pass of the pipeline refused the layout",
+    "expert-load": "the placement policy cannot place the experts on this expert group (its replicas)",
     "runtime": "the target's runtime refuses the overlap in this setup (moeplan/runtimes.py)",
 }
 """Each reason code of a :class:`Rejection`, in words: how the search reports its counts."""

@@ -17,7 +17,7 @@ from typing import Callable, Literal, Sequence
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PrivateAttr,
-                      ValidationError, ValidationInfo, model_validator)
+                      ValidationError, ValidationInfo, model_serializer, model_validator)
 
 from moeplan.actions import rank_chunk, stage_of, stage_rank
 from moeplan.errors import PlanError, validation_message
@@ -93,12 +93,27 @@ class PlanLayout(_Frozen):
     dp_shard: int = Field(default=1, ge=1)
     """FSDP (ZeRO-3) degree over the data-parallel replicas: parameters, gradients and optimizer states sharded
     over dp_shard·cp ranks (torchtitan ``data_parallel_shard_degree``); 1: ZeRO-1."""
+    expert_load: float = Field(default=1.0, ge=1, allow_inf_nan=False)
+    """With a load trace: the busiest EP rank's routed tokens over the balanced share, as priced
+    (:attr:`moeplan.layout.Layout.expert_load`); written only when not 1 (balanced routing)."""
+    expert_replication: float = Field(default=1.0, ge=1, allow_inf_nan=False)
+    """With EPLB's replicas: routed-expert parameters per device over the unreplicated share; written only when
+    not 1."""
+
+    @model_serializer(mode="wrap")
+    def _balanced_unwritten(self, handler):  # noqa: ANN001, ANN202
+        doc = handler(self)
+        for key in ("expert_load", "expert_replication"):
+            if doc.get(key) == 1.0:
+                del doc[key]
+        return doc
 
     def as_layout(self) -> Layout:
         """The compiler's :class:`moeplan.layout.Layout` of these degrees (its derived figures live there)."""
         return Layout(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp, cp=self.cp, dp=self.dp,
                       micro_batch=self.micro_batch, global_batch=self.global_batch, seq_len=self.seq_len,
-                      dp_shard=self.dp_shard)
+                      dp_shard=self.dp_shard, expert_load=self.expert_load,
+                      expert_replication=self.expert_replication)
 
     @property
     def expert_shards(self) -> int:
@@ -199,13 +214,64 @@ class PlanSharding(_Frozen):
     """One micro-batch's activations (or gradients) across one pipeline boundary."""
 
 
+class PlanLayerLoad(_Frozen):
+    """One MoE layer of a load trace under the placement policy (docs/load-balance.md): means over the window."""
+
+    layer: int = Field(ge=0)
+    """Decoder-layer index (the MTP block's MoE layers follow the last decoder layer)."""
+    shards: list[list[int]]
+    """``shards[i]``: the experts rank i of the expert group holds in this layer (an expert on several: replicas)."""
+    imbalance: float = Field(ge=0, allow_inf_nan=False)
+    """max/mean − 1 of the routed tokens per rank of the expert group (0: balanced)."""
+    balancedness: float = Field(ge=0, le=1, allow_inf_nan=False)
+    """mean/max of the routed tokens per rank (vLLM's EPLB balancedness; 1: balanced)."""
+    cv: float = Field(ge=0, allow_inf_nan=False)
+    """Coefficient of variation std/mean of the routed tokens per rank (MindSpeed's)."""
+
+
+class PlanExpertLoad(_Frozen):
+    """The load trace a plan is priced with and what it means for the placement (docs/load-balance.md)."""
+
+    trace: str
+    """The trace file as given to ``--expert-load``."""
+    source: str
+    """Where the trace's counts came from, as the trace says."""
+    window: list[int] = Field(min_length=2, max_length=2)
+    """First and last step of the trace window the prediction uses."""
+    policy: Literal["contiguous", "greedy", "eplb"]
+    """The ``place-experts`` policy."""
+    replicas: int = Field(ge=0)
+    """EPLB's extra expert slots per EP rank (replicas of the heaviest experts)."""
+    balanced_step_s: float = Field(ge=0, allow_inf_nan=False)
+    """The step this plan would take under balanced routing (same layout and decisions), seconds."""
+    layers: list[PlanLayerLoad]
+    """Each traced MoE layer; the step model prices their mean ``1 + imbalance`` (layout.expert_load)."""
+
+
 class PlanExperts(_Frozen):
     """Placement of the routed experts."""
 
     shards: list[list[int]]
-    """``shards[i]``: the experts held by rank i of the expert group (the same in every MoE layer)."""
+    """``shards[i]``: the experts held by rank i of the expert group (in every MoE layer without a load trace; with
+    one, the traced layers take ``load.layers[j].shards``)."""
     groups_aligned: bool
     """Each expert group (MoGE) sits on whole shards, so group-balanced routing balances devices."""
+    load: PlanExpertLoad | None = None
+    """The load trace and each layer's placement; absent: the plan assumes balanced routing (every expert gets
+    ``T·top_k/E`` tokens), as without ``--expert-load``."""
+
+    @model_serializer(mode="wrap")
+    def _balanced_unwritten(self, handler):  # noqa: ANN001, ANN202
+        doc = handler(self)
+        if doc.get("load") is None:
+            doc.pop("load", None)
+        return doc
+
+    def layer_shards(self, layer: int) -> list[list[int]]:
+        """The placement of the MoE layer at decoder-layer index ``layer`` (the MTP block's ``j``-th layer is
+        ``num_layers + j``): its own under a load trace, else ``shards``."""
+        own = [x.shards for x in self.load.layers if x.layer == layer] if self.load is not None else []
+        return own[0] if own else self.shards
 
 
 class PlanOpDecision(_Frozen):

@@ -116,6 +116,23 @@ def shape_sources(model: str, *, seq_len: int | None = None, global_batch: int |
     return out
 
 
+def expert_load_line(plan: Plan) -> str:
+    """What the plan assumes of expert routing, in one line: balanced, or the load trace, its window and policy,
+    the mean and worst device imbalance over its layers, and the step against the same plan under balanced
+    routing (docs/load-balance.md)."""
+    load = plan.experts.load
+    if load is None:
+        return "balanced (no load trace: every routed expert gets T·top_k/E tokens)"
+    imb = [x.imbalance for x in load.layers]
+    worst = max(load.layers, key=lambda x: x.imbalance)
+    step, base = plan.prediction.step_time_s, load.balanced_step_s
+    replicas = f" + {load.replicas} replica slot(s) per rank" if load.replicas else ""
+    cost = f"{step:.3f} s vs {base:.3f} s balanced ({step / base - 1:+.1%})" if base > 0 else f"{step:.3f} s"
+    return (f"trace {load.trace} (steps {load.window[0]}–{load.window[1]}), {load.policy}{replicas}: device "
+            f"imbalance mean {sum(imb) / len(imb):.1%}, worst {worst.imbalance:.1%} (layer {worst.layer}); busiest "
+            f"EP rank priced at ×{plan.layout.expert_load:.3f}; step {cost}")
+
+
 def render_plan(console: Console, plan: Plan, sources: dict[str, str] | None = None) -> None:
     """Layout, prediction, stages and memory of a plan; ``sources`` (:func:`shape_sources`) adds where the training
     shape came from."""
@@ -140,6 +157,8 @@ def render_plan(console: Console, plan: Plan, sources: dict[str, str] | None = N
     if pred.host_wait_s:
         t.add_row("host-bound wait", f"{pred.host_wait_s * 1e3:.1f} ms (kernel launches after host syncs)")
     console.print(t)
+    if plan.experts.load is not None:
+        console.print(f"expert load: {expert_load_line(plan)}", markup=False)
     render_comm(console, plan)
     st = Table(title=f"stages (slowest chunk {plan.stages.imbalance:+.1%} over the mean)")
     for col in ("pp rank", "chunk", "stage", "layers", "time/mb"):

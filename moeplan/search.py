@@ -36,16 +36,17 @@ screening of each option and the evaluation of the best in a pool of forked work
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moeplan.compiler import DEFAULT_PIPELINE, Pipeline
 from moeplan.cost_models.dispatch import hierarchical_valid
 from moeplan.cost_models.layer_program import ep_transfer, expert_group
 from moeplan.cost_models.memory import gib_text
-from moeplan.errors import InfeasibleError, LayoutError, PlanError
+from moeplan.errors import InfeasibleError, LayoutError, LoadError, PlanError
 from moeplan.estimate import slot_weights, stage_params, static_bytes
 from moeplan.ir import ModelGraph, named_layers
 from moeplan.layout import Layout, Rejection, check_fixed_degrees, check_layout, layout_rejection
+from moeplan.load_model import LoadModel
 from moeplan.mechanisms import mechanism
 from moeplan.passes.schedule import schedule_fits
 from moeplan.runtimes import RUNTIMES, Setup
@@ -79,6 +80,9 @@ class Fixed:
     recompute: str = "auto"
     precision: Precision = Precision()
     recompute_modules: tuple[str, ...] = ()
+    load: LoadModel | None = None
+    """A load trace (``--expert-load``): every MoE layout is priced with the busiest EP rank's load under the
+    ``place-experts`` pass's policy (moeplan.load_model); None: balanced routing."""
 
 
 @dataclass(frozen=True)
@@ -200,7 +204,7 @@ def _cheapest_dispatcher(layout: Layout, graph: ModelGraph, target: Target, cach
     n, stride = expert_group(layout)
     if not graph.spec.is_moe or n == 1:
         return "flat"
-    key = ("dispatcher", layout.tp, layout.cp, layout.ep, layout.etp, layout.micro_batch)
+    key = ("dispatcher", layout.tp, layout.cp, layout.ep, layout.etp, layout.micro_batch, layout.expert_load)
     if cache is not None and key in cache:
         return cache[key]
     best, best_t = "flat", float("inf")
@@ -269,9 +273,12 @@ class Options:
     examples: dict[str, Rejection]
 
 
-def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed, budget: float) -> Options:
+def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed, budget: float,
+                  placing: tuple[str, int] = ("contiguous", 0)) -> Options:
     """Steps 1–3 of the module docstring: enumerate the layouts, check them, drop those whose model states and
-    fixed overheads do not fit ``budget`` (bytes per device), and pair each with its strategies."""
+    fixed overheads do not fit ``budget`` (bytes per device), and pair each with its strategies. With a load trace
+    (``fixed.load``) each MoE layout carries the busiest EP rank's load and the replicas' memory under ``placing``,
+    the ``place-experts`` pass's (policy, replica slots): :func:`expert_placing`."""
     dpn = target.devices_per_node
     rejected: Counter = Counter()
     cache: dict = {}
@@ -292,10 +299,16 @@ def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed:
         refused = layout_rejection(lay, num_devices=num_devices, devices_per_node=dpn, num_heads=spec.num_heads,
                                    num_kv_heads=spec.num_kv_heads, num_experts=spec.num_experts,
                                    num_layer_slots=sum(counts.values()))
+        if refused is None and fixed.load is not None and spec.is_moe:
+            try:
+                priced = fixed.load.at(lay.expert_shards, *placing)
+                lay = replace(lay, expert_load=priced.expert_load, expert_replication=priced.expert_replication)
+            except LoadError as e:
+                refused = Rejection("expert-load", lay.expert_shards, str(e))
         if refused is not None:
             reject(refused)
             continue
-        pkey = (lay.tp, lay.pp, lay.ep)  # what stage_params depends on
+        pkey = (lay.tp, lay.pp, lay.ep, lay.expert_replication)  # what stage_params depends on
         params = params_of.get(pkey)
         if params is None:
             params = params_of[pkey] = stage_params(lay, graph, counts)
@@ -313,6 +326,15 @@ def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed:
                                                              f"{m} micro-batches of {lay.short()}"))
         options += [(lay, st, params) for st in found.found]
     return Options(options, layouts, rejected, examples)
+
+
+def expert_placing(pipeline: Pipeline) -> tuple[str, int]:
+    """The ``place-experts`` pass's (policy, replica slots) in ``pipeline`` (the pass's defaults without one)."""
+    from moeplan.passes.place_experts import PlaceExpertsPass
+
+    found = [p for p in pipeline.passes if isinstance(p, PlaceExpertsPass)]
+    p = found[0] if found else PlaceExpertsPass()
+    return p.policy, p.replicas
 
 
 def pipeline_budget(pipeline: Pipeline, target: Target) -> float:
@@ -351,7 +373,12 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
     check_pipeline(pipeline)
     _check_fixed(fixed, target, num_devices, graph.spec)
     budget = pipeline_budget(pipeline, target)
-    built = build_options(graph=graph, target=target, num_devices=num_devices, fixed=fixed, budget=budget)
+    placing = expert_placing(pipeline)
+    if placing[0] != "contiguous" and fixed.load is None:
+        raise PlanError(f"place-experts{{policy={placing[0]}}}: places experts by their load, which needs a load "
+                        f"trace (--expert-load FILE)")
+    built = build_options(graph=graph, target=target, num_devices=num_devices, fixed=fixed, budget=budget,
+                          placing=placing)
     options, rejected, layouts = built.options, built.rejected, built.layouts
     if not options and "model-states" not in rejected:
         if fixed.schedule is not None and "schedule" in rejected:
@@ -361,6 +388,7 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
     slots = [k for _, k in named_layers(graph.spec)]
     weights = slot_weights(graph, slots)
     _SHARED["graph"], _SHARED["target"], _SHARED["budget"] = _lean(graph), target, budget  # what forked workers read
+    _SHARED["load"] = fixed.load
     try:
         out = _estimate_and_evaluate(options, slots, weights, target, pipeline, candidates, workers, keep,
                                      auto_overlap=fixed.overlap is None)

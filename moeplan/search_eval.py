@@ -59,8 +59,8 @@ def _evaluate(args: tuple[Layout, Strategy, Pipeline, bool, float]) -> Evaluated
         tries.append(replace(strategy, overlap=strategy.overlap - {"fb"}))
     for attempt in tries:
         try:
-            state, timings = run_pipeline(PlanState(graph=graph, target=target, layout=layout, strategy=attempt),
-                                          passes)
+            state, timings = run_pipeline(PlanState(graph=graph, target=target, layout=layout, strategy=attempt,
+                                                    load=_SHARED.get("load")), passes)
             refused = _runtime_rejection(state)
             if refused is not None:  # a combination the target's runtime refuses once the recompute modes are chosen
                 error = refused
@@ -227,11 +227,11 @@ def _shape_tasks(options: list[tuple[Layout, Strategy, tuple[float, float]]], sl
 
 
 def _shape_key(layout: Layout, strategy: Strategy) -> tuple:
-    """What the layer costs depend on: (tp, cp, ep, etp, micro-batch, dispatcher, the recipe's precision), and under
-    FSDP the degrees its per-layer collectives and resharding depend on (dp_shard, dp, pp)."""
+    """What the layer costs depend on: (tp, cp, ep, etp, micro-batch, dispatcher, the recipe's precision), under
+    FSDP the degrees its per-layer collectives and resharding depend on (dp_shard, dp, pp), and the expert load."""
     fsdp = (layout.dp_shard, layout.dp, layout.pp) if layout.dp_shard > 1 else ()
     return (layout.tp, layout.cp, layout.ep, layout.etp, layout.micro_batch, strategy.dispatcher,
-            strategy.precision, fsdp)
+            strategy.precision, fsdp, layout.expert_load, layout.expert_replication)
 
 
 def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]

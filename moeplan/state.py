@@ -11,6 +11,7 @@ from typing import Literal, Mapping
 from moeplan import actions
 from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout
+from moeplan.load_model import LoadModel, ShardLoad
 from moeplan.mechanisms import Mechanism, ordered
 from moeplan.names import DISPATCHERS, SCHEDULES, Dispatcher, ScheduleKind  # noqa: F401
 from moeplan.targets import Target
@@ -257,6 +258,9 @@ class ExpertPlacement:
 
     shards: tuple[tuple[int, ...], ...]
     groups_aligned: bool
+    load: ShardLoad | None = None
+    """With a load trace: each traced layer's placement under the pass's policy and its imbalance (these layers'
+    placements replace ``shards``); None: balanced routing, no trace."""
 
 
 @dataclass(frozen=True)
@@ -382,6 +386,8 @@ class PlanState:
     schedule: Schedule | None = None
     prediction: Prediction | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    load: LoadModel | None = None
+    """The expert-load trace the layout is priced with (an input, like the target); None: balanced routing."""
 
     def with_(self, **changes) -> "PlanState":
         return replace(self, **changes)

@@ -19,7 +19,7 @@ from moeplan.actions import OVERLAP, compute_parts, parse_action
 from moeplan.errors import PlanError
 from moeplan.flops import count_params
 from moeplan.plan import MEMORY_TERMS, Plan
-from moeplan.render import compact
+from moeplan.render import compact, expert_load_line
 
 VIEWS = ("overview", "stages", "memory", "timeline", "comm")
 COMPUTE_STYLES = {"F": "green", "B": "blue", "I": "cyan", "W": "magenta", "OVERLAP_F_B": "yellow"}
@@ -93,6 +93,8 @@ def overview(plan: Plan) -> Group:
     t.add_row("schedule", plan.schedule.kind)
     t.add_row("dispatcher", plan.comm.dispatcher)
     t.add_row("overlap", ", ".join(plan.comm.overlap) or "none")
+    if plan.model.spec.is_moe:
+        t.add_row("routing", expert_load_line(plan))
     p = PlainTable(title="predicted step", show_header=False, title_justify="left", expand=True)
     p.add_column(style="bold", no_wrap=True)
     p.add_column()
@@ -113,7 +115,22 @@ def overview(plan: Plan) -> Group:
         p.add_row("host wait", fmt_s(pred.host_wait_s))
     if pred.optimizer_s:
         p.add_row("optimizer", fmt_s(pred.optimizer_s))
-    return Group(t, p)
+    return Group(t, p, *([expert_load_table(plan)] if plan.experts.load is not None else []))
+
+
+def expert_load_table(plan: Plan) -> Table:
+    """Each traced MoE layer's device imbalance under the plan's placement (docs/load-balance.md): max/mean − 1,
+    vLLM's balancedness mean/max and the coefficient of variation of the routed tokens per EP rank, over the
+    trace window."""
+    load = plan.experts.load
+    assert load is not None
+    t = compact_table("expert load per MoE layer", f"{load.policy} placement over {len(load.layers[0].shards)} "
+                                                   f"EP ranks; means over the trace window")
+    for col in ("layer", "imbalance", "balancedness", "cv"):
+        t.add_column(col, justify="right")
+    for x in load.layers:
+        t.add_row(str(x.layer), f"{x.imbalance:.1%}", f"{x.balancedness:.3f}", f"{x.cv:.3f}")
+    return t
 
 
 # --- stages -----------------------------------------------------------------------------------------------------

@@ -129,6 +129,21 @@ class _Args:
                 if k not in self.spec_used and getattr(spec, k) != f.default]
         if left:
             self.notes.append(f"model.spec {', '.join(left)}: no {runtime} flag")
+        placed = placement_note(plan, runtime)
+        if placed:
+            self.notes.append(placed)
+
+
+def placement_note(plan: Plan, runtime: str) -> str | None:
+    """What an export cannot carry of a plan whose experts are placed by their load (docs/load-balance.md §4): the
+    runtimes place routed experts contiguously, so the plan's per-layer placement and the step it predicts with it
+    hold in moeplan's runtime only. None for a contiguous placement."""
+    load = plan.experts.load
+    if load is None or load.policy == "contiguous":
+        return None
+    return (f"experts.load.policy={load.policy!r}: {runtime} places the routed experts contiguously; the plan's "
+            f"per-layer placement is not passed and its predicted step assumes it (MindSpeed's own dynamic "
+            f"placement is --enable-expert-placement)")
 
 
 def _precision(plan: Plan, a: _Args) -> None:

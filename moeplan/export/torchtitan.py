@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from moeplan.export.common import _op_notes, _whole_layer_mode, pipeline_stages
+from moeplan.export.common import _op_notes, _whole_layer_mode, pipeline_stages, placement_note
 from moeplan.export.registry import Export, register
 from moeplan.plan import Plan
 
@@ -30,6 +30,8 @@ def _torchtitan(plan: Plan) -> Export:
     ActivationCheckpoint; distributed/parallel_dims.py for ep / etp; distributed/pipeline_parallel.py for
     module_fqns_per_model_part and the schedule)."""
     lay, spec, notes = plan.layout, plan.model.spec, []
+    if placed := placement_note(plan, "torchtitan"):
+        notes.append(placed)
     pipelined = lay.pp > 1
     training = {"local_batch_size": lay.micro_batch * (lay.num_microbatches if pipelined else 1),
                 "global_batch_size": lay.global_batch, "seq_len": lay.seq_len}
