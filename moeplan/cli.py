@@ -321,6 +321,21 @@ def run_cmd(
                                                      "routing, as the plan assumes); changes training"),
     no_pin: bool = typer.Option(False, "--no-pin", help="cpu plans: do not bind each rank to its own core (by "
                                                         "default rank i runs on the i-th CPU this process may use)"),
+    rebalance_every: int = typer.Option(0, "--rebalance-every",
+                                        help="every N steps, re-place the routed experts by the load they saw and "
+                                             "move them between expert ranks (0: never; docs/runtime.md)"),
+    rebalance_threshold: Optional[float] = typer.Option(
+        None, "--rebalance-threshold", help="with --rebalance-every: apply a layer's new placement only when it "
+                                            "lowers the predicted device imbalance (max/mean - 1) by more than "
+                                            "this (default 0.05)"),
+    aux_loss_coeff: float = typer.Option(0.0, "--aux-loss-coeff",
+                                         help="weight of the MoE auxiliary load-balance loss (0: none)"),
+    aux_loss_scope: Optional[str] = typer.Option(
+        None, "--aux-loss-scope", help="the tokens the auxiliary loss balances over: sequence, micro-batch, "
+                                       "ep-group, dp-group or global-batch (default micro-batch; docs/runtime.md)"),
+    record_load: Optional[str] = typer.Option(None, "--record-load",
+                                              help="write every step's routed tokens per expert and MoE layer to "
+                                                   "this expert-load trace (docs/load-balance.md)"),
 ) -> None:
     """Train with PLAN: local processes for a cpu target, the torchrun command for cuda/npu (or run under it).
 
@@ -343,15 +358,30 @@ def run_cmd(
         meter_every = PRODUCTION_METER_EVERY if production else 1
     request = run_request(plan_path, steps=steps, metrics=metrics, data=data, checkpoint_every=checkpoint_every,
                           checkpoint_dir=checkpoint_dir, resume=resume, seed=seed, lr=lr, timeout=timeout,
-                          meter_every=meter_every, force_balanced_routing=force_balanced_routing, no_pin=no_pin)
+                          meter_every=meter_every, force_balanced_routing=force_balanced_routing, no_pin=no_pin,
+                          rebalance_every=rebalance_every, rebalance_threshold=rebalance_threshold,
+                          aux_loss_coeff=aux_loss_coeff, aux_loss_scope=aux_loss_scope, record_load=record_load)
     if devices is not None and devices != plan.layout.num_devices:
         raise PlanError(f"layout.num_devices={plan.layout.num_devices}: the plan is not for --devices {devices}")
+    if request.rebalance_every:
+        from moeplan.runtime.rebalance import check_rebalance
+
+        check_rebalance(plan, request.rebalance_every)
+    if request.aux_loss_coeff:
+        from moeplan.runtime.expert_parallel import check_aux_loss
+
+        check_aux_loss(plan, request.aux_loss_coeff, request.aux_loss_scope)
+    if request.record_load and not plan.model.spec.is_moe:
+        raise PlanError(f"record_load={record_load!r}: the model has no routed experts to count")
     if resume:  # refused here in one line, not by a traceback per rank (under torchrun too)
         from moeplan.runtime.checkpoint import newest_checkpoint, verify_checkpoint
 
         ref = newest_checkpoint(request.checkpoint_dir)
         if ref is not None:  # before any rank starts, and before torch reads a byte of it
-            verify_checkpoint(ref, layout=plan.layout, model=plan.model.fingerprint)
+            from moeplan.runtime.rebalance import initial_placements
+
+            verify_checkpoint(ref, layout=plan.layout, model=plan.model.fingerprint,
+                              placements=initial_placements(plan))
     if under_torchrun():
         from moeplan.runtime.worker import run_rank
 
@@ -370,6 +400,11 @@ def run_cmd(
     if old_lines:  # a fresh run would delete it: an earlier run's measurements are the user's
         raise PlanError(f"metrics={metrics!r}: holds an earlier run's lines, which a fresh run would delete; name "
                         f"another file, remove it, or --resume that run")
+    old_trace = request.record_load and not resume and os.path.isfile(request.record_load) and os.path.getsize(
+        request.record_load)
+    if old_trace:  # the same rule: a fresh run would replace it
+        raise PlanError(f"record_load={record_load!r}: holds an earlier run's trace, which a fresh run would replace; "
+                        f"name another file, remove it, or --resume that run")
     if data is None and plan.model.spec.vocab_size < BYTE_VOCAB:
         raise PlanError(f"model.spec.vocab_size={plan.model.spec.vocab_size}: byte-level stdlib data needs "
                         f">= {BYTE_VOCAB}; pass --data")

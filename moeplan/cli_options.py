@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 PIPELINE_HELP = ("compiler passes in order, comma-separated, each with options in braces: shard, partition-stages, "
                  "place-experts, schedule, plan-memory, simulate (the default, in this order); e.g. "
                  "'shard,partition-stages{layer_layout=free},place-experts,schedule,plan-memory,simulate'")
+DEFAULT_REBALANCE_THRESHOLD = 0.05
+"""``moeplan run --rebalance-threshold``'s default: a layer's new placement is applied when it lowers the predicted
+device imbalance (max/mean − 1) by more than 0.05, i.e. the busiest expert rank by 5% of the mean."""
 OVERLAP_HELP = ("comma list of the overlap mechanisms: "
                 + "; ".join(f"{m.name}: {m.summary}" for m in MECHANISMS.values()) + "; or none, all, auto")
 
@@ -105,17 +108,38 @@ def positive(name: str, value: Optional[int]) -> Optional[int]:
 
 def run_request(plan_path: str, *, steps: int, metrics: Optional[str], data: Optional[str], checkpoint_every: int,
                 checkpoint_dir: Optional[str], resume: bool, seed: int, lr: float, timeout: float, meter_every: int,
-                force_balanced_routing: bool, no_pin: bool) -> RunRequest:
+                force_balanced_routing: bool, no_pin: bool, rebalance_every: int = 0,
+                rebalance_threshold: Optional[float] = None, aux_loss_coeff: float = 0.0,
+                aux_loss_scope: Optional[str] = None, record_load: Optional[str] = None) -> RunRequest:
     """The :class:`RunRequest` of ``moeplan run``'s options, its paths made absolute (the printed torchrun command
     may run in another directory). Raises PlanError for a negative ``checkpoint_every``, a ``timeout`` or ``lr``
     that is not a finite positive number, checkpoints asked for without ``checkpoint_dir`` or into a file, and a
     ``metrics`` file that cannot be written or is the run's plan or data file; OutputError for a ``metrics`` path
     :func:`~moeplan.files.check_output` refuses. ``steps`` and ``meter_every`` are the caller's to check
-    (:func:`positive`)."""
+    (:func:`positive`). ``rebalance_every`` 0 is off; PlanError for a negative one, a ``rebalance_threshold`` that is
+    not a finite number ≥ 0 or is given without it (default with it: :data:`DEFAULT_REBALANCE_THRESHOLD`).
+    ``aux_loss_coeff`` 0 is off; PlanError for one that is not a finite number ≥ 0, an ``aux_loss_scope`` not in
+    moeplan.runtime.request.AUX_LOSS_SCOPES or given without it (default with it: ``micro-batch``), and a
+    ``record_load`` file that is the run's plan, data or metrics file; OutputError for one check_output refuses."""
     from moeplan.runtime.request import RunRequest  # pydantic: not imported for the other commands
 
     if checkpoint_every < 0:
         raise PlanError(f"checkpoint_every={checkpoint_every}: must be >= 0")
+    if rebalance_every < 0:
+        raise PlanError(f"rebalance_every={rebalance_every}: must be >= 0 (0: never)")
+    if rebalance_threshold is not None and not (math.isfinite(rebalance_threshold) and rebalance_threshold >= 0):
+        raise PlanError(f"rebalance_threshold={rebalance_threshold}: must be a finite number >= 0")
+    if rebalance_threshold is not None and not rebalance_every:
+        raise PlanError(f"rebalance_threshold={rebalance_threshold}: applies to --rebalance-every, which is off")
+    if not (math.isfinite(aux_loss_coeff) and aux_loss_coeff >= 0):
+        raise PlanError(f"aux_loss_coeff={aux_loss_coeff}: must be a finite number >= 0 (0: no auxiliary loss)")
+    if aux_loss_scope is not None:
+        from moeplan.runtime.request import AUX_LOSS_SCOPES
+
+        if aux_loss_scope not in AUX_LOSS_SCOPES:
+            raise PlanError(f"aux_loss_scope={aux_loss_scope!r}: must be one of {', '.join(AUX_LOSS_SCOPES)}")
+        if not aux_loss_coeff:
+            raise PlanError(f"aux_loss_scope={aux_loss_scope}: applies to --aux-loss-coeff, which is 0")
     for name, value in (("timeout", timeout), ("lr", lr)):
         if not (math.isfinite(value) and value > 0):
             raise PlanError(f"{name}={value}: must be a finite number > 0")
@@ -123,11 +147,14 @@ def run_request(plan_path: str, *, steps: int, metrics: Optional[str], data: Opt
         raise PlanError("checkpoint_dir=None: --checkpoint-every and --resume need --checkpoint-dir")
     if checkpoint_dir and os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
         raise PlanError(f"checkpoint_dir={checkpoint_dir!r}: is a file; name a folder")
-    if metrics:  # before launch: the ranks would fail on it one by one
-        check_output(metrics, field="metrics")
-        for name, other in (("plan", plan_path), ("data", data)):
-            if other and os.path.realpath(metrics) == os.path.realpath(other):
-                raise PlanError(f"metrics={metrics!r}: is the {name} file of this run; name another file")
+    for field, out, others in (("metrics", metrics, (("plan", plan_path), ("data", data))),
+                               ("record_load", record_load, (("plan", plan_path), ("data", data),
+                                                             ("metrics", metrics)))):
+        if out:  # before launch: the ranks would fail on it one by one
+            check_output(out, field=field)
+            for name, other in others:
+                if other and os.path.realpath(out) == os.path.realpath(other):
+                    raise PlanError(f"{field}={out!r}: is the {name} file of this run; name another file")
 
     def absolute(path: Optional[str]) -> Optional[str]:
         return os.path.abspath(path) if path else None
@@ -135,4 +162,11 @@ def run_request(plan_path: str, *, steps: int, metrics: Optional[str], data: Opt
     return RunRequest(plan=os.path.abspath(plan_path), steps=steps, metrics=absolute(metrics), data=absolute(data),
                       checkpoint_every=checkpoint_every, checkpoint_dir=absolute(checkpoint_dir), resume=resume,
                       seed=seed, lr=lr, timeout_s=timeout, meter_every=meter_every,
-                      force_balanced_routing=force_balanced_routing, no_pin=no_pin)
+                      force_balanced_routing=force_balanced_routing, no_pin=no_pin,
+                      rebalance_every=rebalance_every or None,
+                      rebalance_threshold=(DEFAULT_REBALANCE_THRESHOLD if rebalance_threshold is None
+                                           else rebalance_threshold) if rebalance_every else None,
+                      aux_loss_coeff=aux_loss_coeff or None,
+                      aux_loss_scope=(aux_loss_scope or "micro-batch") if aux_loss_coeff else None,
+                      record_load=absolute(record_load))
+

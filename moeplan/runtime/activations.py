@@ -49,6 +49,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, checkpoint
 
 from moeplan.ir import LayerKind, kind_of
 from moeplan.plan import Plan
+from moeplan.runtime.expert_parallel import uncounted
 from moeplan.spec import ModelSpec
 from moeplan.trace import LeafTracer, module_path, representative_layer, storage_id, tensors_of
 
@@ -560,7 +561,8 @@ class PerTensorCalls:
         copies = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
                        for a in args)
         try:
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t), probe:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t), probe, \
+                    uncounted():  # an extra forward: the MoE blocks' token counts leave it out
                 fn(*copies)
         finally:
             paths.remove()

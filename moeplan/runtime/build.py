@@ -20,7 +20,7 @@ parameter by the single-process parameter it is a shard of (a copy by its owner'
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -126,8 +126,18 @@ def stage_ids(plan: Plan, pp_rank: int) -> list[int]:
     return [plan.stages.stage_of(pp_rank, c) for c in range(plan.layout.vpp)]
 
 
-def _parallel_layer(env: ShardEnv, name: str, aux_loss_coeff: float, dispatch: dict) -> nn.Module:
+def layer_placement(plan: Plan, name: str) -> tuple[tuple[int, ...], ...]:
+    """The experts each expert-group rank holds in layer ``name`` at the start of a run: the plan's placement of
+    that layer (``experts.load`` under a load trace, else ``experts.shards``; docs/load-balance.md §4)."""
+    kind, index = parse_layer_name(plan.model.spec, name)
+    layer = plan.model.spec.num_layers + index if kind == LayerKind.MTP else index
+    return tuple(tuple(s) for s in plan.experts.layer_shards(layer))
+
+
+def _parallel_layer(env: ShardEnv, name: str, aux_loss_coeff: float, dispatch: dict, plan: Plan) -> nn.Module:
     kind, index = parse_layer_name(env.spec, name)
+    if env.spec.is_moe and kind in (LayerKind.MOE, LayerKind.MTP):
+        env = replace(env, expert_placement=layer_placement(plan, name))
     if kind == LayerKind.EMBEDDING:
         return ParallelEmbedding(env)
     if kind in (LayerKind.DENSE, LayerKind.MOE):
@@ -180,6 +190,9 @@ def _env(plan: Plan, coords: RankCoords, groups: ParallelGroups, comm_log: CommL
         raise PlanError(f"experts.shards: {len(placement)} shards for ep·tp/etp = {plan.layout.expert_shards} ranks")
     if spec.is_moe and sorted(e for s in placement for e in s) != list(range(spec.num_experts)):
         raise PlanError(f"experts.shards: must hold each of the {spec.num_experts} experts exactly once")
+    if plan.experts.load is not None and plan.experts.load.replicas:
+        raise PlanError(f"experts.load.replicas={plan.experts.load.replicas}: moeplan's runtime holds each routed "
+                        f"expert once (replicas are priced by the planner, not run)")
     return ShardEnv(spec=spec, layout=plan.layout, coords=coords, groups=groups, expert_placement=placement,
                     comm_log=comm_log)
 
@@ -205,12 +218,13 @@ def node_group_ranks(plan: Plan) -> tuple[Ranks, Ranks] | None:
 
 def build_rank_modules(plan: Plan, coords: RankCoords, groups: ParallelGroups, *, seed: int, device: torch.device,
                        dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0, aux_loss_scale: float = 1.0,
-                       comm_log: CommLog | None = None) -> dict[int, LayerDict]:
+                       aux_loss_scope: str = "micro-batch", comm_log: CommLog | None = None) -> dict[int, LayerDict]:
     """Stage id -> LayerDict(layer name -> module) for the PP chunks of ``coords.pp_rank`` (see the module docstring).
 
     Modules are built on meta, moved to ``device`` in ``dtype`` and initialised from ``seed``; copies whose owner
     is on this rank are tied to it. ``aux_loss_coeff`` is the MoE load-balance loss weight and ``aux_loss_scale``
-    its backward scale, ``1/num_microbatches`` under the executor (moeplan.models.Router). With ``shared-expert`` in
+    its backward scale, ``1/num_microbatches`` under the executor (moeplan.models.Router), ``aux_loss_scope`` the
+    tokens its expert shares are taken over (moeplan.runtime.expert_parallel.ParallelRouter). With ``shared-expert`` in
     ``plan.comm.overlap`` the shared experts run beside the dispatch (moeplan.runtime.expert_parallel);
     ``comm_log`` tallies the payload bytes of every TP/EP/CP collective the modules run (by comm class).
     The hierarchical and dedup dispatchers' node groups (moeplan.runtime.groups.make_node_groups) are created here, so this
@@ -218,7 +232,7 @@ def build_rank_modules(plan: Plan, coords: RankCoords, groups: ParallelGroups, *
     """
     dispatcher, per_node = run_dispatcher(plan), plan.target.devices_per_node
     dispatch = dict(dispatcher=dispatcher, devices_per_node=per_node, aux_loss_scale=aux_loss_scale,
-                    overlap_shared="shared-expert" in plan.comm.overlap)  # ParallelMoE's keywords
+                    aux_loss_scope=aux_loss_scope, overlap_shared="shared-expert" in plan.comm.overlap)  # ParallelMoE's
     if plan.model.spec.is_moe and dispatcher in ("hierarchical", "dedup"):
         groups = make_node_groups(plan.layout, per_node, groups, min_per_node=1 if dispatcher == "dedup" else 2)
     env, spec = _env(plan, coords, groups, comm_log), plan.model.spec
@@ -227,7 +241,7 @@ def build_rank_modules(plan: Plan, coords: RankCoords, groups: ParallelGroups, *
         layers = LayerDict()
         for name in names:
             with torch.device("meta"):
-                module = _parallel_layer(env, name, aux_loss_coeff, dispatch).to(dtype)
+                module = _parallel_layer(env, name, aux_loss_coeff, dispatch, plan).to(dtype)
             module = module.to_empty(device=device)
             materialize_(module, spec, name, seed=seed)
             layers[name] = module

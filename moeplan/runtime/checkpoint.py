@@ -15,6 +15,13 @@ hash) before torch reads anything, so a corrupt, truncated, swapped or foreign f
 State keys are prefixed with the global rank (``rank3/model/1/layers.4.mlp.experts.w1``), so nothing is treated as
 replicated across ranks and every rank restores exactly its own tensors; resuming therefore needs the same layout,
 which :func:`load_checkpoint` checks.
+
+Expert placement (moeplan.runtime.rebalance): which logical expert each local slot of the stacked expert tensors
+holds can change during a run (``--rebalance-every``), and is the same on every rank that knows it, so the manifest
+records it once for every MoE layer, ``experts.placement`` (layer name -> expert-group rank -> logical experts by
+slot), with the load counted since the last rebalance, ``experts.window`` (layer name -> routed token copies per
+expert, summed over ranks). :func:`verify_checkpoint` checks it against the placement a fresh run starts with (same
+ranks, slot counts and experts); a manifest without it (written before placements could change) means that one.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -104,9 +111,10 @@ def _step_dir(root: Path, step: int) -> Path:
 
 
 def save_checkpoint(state: dict[str, torch.Tensor], *, root: str | Path, step: int, layout: PlanLayout,
-                    model: str) -> Path:
+                    model: str, experts: Mapping[str, object] | None = None) -> Path:
     """Collective: write ``state`` of every rank as the checkpoint of ``step`` of the model whose fingerprint is
-    ``model``; returns its final folder."""
+    ``model``; returns its final folder. ``experts``: the manifest's ``experts`` section (rank 0's is written; see
+    the module docstring), None for none."""
     root = Path(root)
     tmp, final = root / f".step-{step:08d}.tmp", _step_dir(root, step)
     if dist.get_rank() == 0:
@@ -124,7 +132,7 @@ def save_checkpoint(state: dict[str, torch.Tensor], *, root: str | Path, step: i
     if dist.get_rank() == 0:
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
         (tmp / INFO_FILE).write_text(json.dumps({"step": step, "model": model, "layout": layout.model_dump(),
-                                                 "files": files}))
+                                                 "files": files, **({"experts": experts} if experts else {})}))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -150,11 +158,14 @@ def newest_checkpoint(root: str | Path) -> CheckpointRef | None:
     return max(found, key=lambda c: c.step, default=None)
 
 
-def verify_checkpoint(ref: CheckpointRef, *, layout: PlanLayout, model: str) -> None:
+def verify_checkpoint(ref: CheckpointRef, *, layout: PlanLayout, model: str,
+                      placements: Mapping[str, Sequence[Sequence[int]]] | None = None) -> dict | None:
     """Raise PlanError (one line naming the checkpoint and what is wrong) unless ``ref``'s manifest says the model
     of fingerprint ``model`` and ``layout`` wrote it at its step, the folder holds exactly the manifest's files, each
     with its sha256, and ``.metadata`` refers to nothing outside :data:`METADATA_GLOBALS`. Reads files as bytes
-    only: nothing is unpickled before it passes."""
+    only: nothing is unpickled before it passes. With ``placements`` (every MoE layer's placement at the start of a
+    run, moeplan.runtime.rebalance.initial_placements), the manifest's ``experts`` section must fit them
+    (:func:`check_experts`). Returns that section, None when there is none."""
     where = f"checkpoint={str(ref.path)!r}"
     try:
         info = json.loads((ref.path / INFO_FILE).read_text())
@@ -184,6 +195,36 @@ def verify_checkpoint(ref: CheckpointRef, *, layout: PlanLayout, model: str) -> 
             raise PlanError(f"{where}: {name} does not match its sha256 in {INFO_FILE} (corrupt, truncated or "
                             f"replaced); resume needs the checkpoint as it was written")
     read_metadata(ref.path / _METADATA, where=where)
+    if placements is not None and "experts" in info:
+        check_experts(info["experts"], placements, where=f"{where}: {INFO_FILE} experts")
+    return info.get("experts")
+
+
+def check_experts(experts: object, placements: Mapping[str, Sequence[Sequence[int]]], *, where: str) -> None:
+    """Raise PlanError (one line starting with ``where``) unless ``experts`` is a manifest's ``experts`` section
+    for a run that started from ``placements``: a ``placement`` for exactly those layers, each with the same number
+    of ranks, slots per rank and experts (each once), and an optional ``window`` of non-negative integer counts, one
+    per expert, for some of those layers."""
+    rule = "resume needs a checkpoint moeplan wrote for this plan"
+    if not isinstance(experts, dict) or not isinstance(experts.get("placement"), dict):
+        raise PlanError(f"{where}: must hold a placement per MoE layer; {rule}")
+    if set(experts["placement"]) != set(placements):
+        raise PlanError(f"{where}: placement names layers {sorted(experts['placement'])}, the model has "
+                        f"{sorted(placements)}; {rule}")
+    for name, start in placements.items():
+        got = experts["placement"][name]
+        sizes = [len(s) for s in start]
+        if not (isinstance(got, list) and all(isinstance(s, list) and all(type(e) is int for e in s) for s in got)
+                and [len(s) for s in got] == sizes and sorted(e for s in got for e in s) == sorted(e for s in start
+                                                                                             for e in s)):
+            raise PlanError(f"{where}: placement[{name!r}]={got!r}: must hold each expert once, {sizes} per expert "
+                            f"rank; {rule}")
+    window = experts.get("window", {})
+    experts_n = sum(len(s) for s in next(iter(placements.values()), ()))
+    if not (isinstance(window, dict) and set(window) <= set(placements)
+            and all(isinstance(c, list) and len(c) == experts_n and all(type(x) is int and x >= 0 for x in c)
+                    for c in window.values())):
+        raise PlanError(f"{where}: window must give {experts_n} non-negative token counts per MoE layer; {rule}")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -223,24 +264,28 @@ def _verified_reader(path: Path):
     return VerifiedReader(str(path))
 
 
-def load_checkpoint(state: dict[str, torch.Tensor], ref: CheckpointRef, *, layout: PlanLayout, model: str) -> None:
-    """Collective: restore ``state`` in place from ``ref``. Raises PlanError on every rank, before anything is
-    unpickled, unless :func:`verify_checkpoint` passes on rank 0 (which hashes the files once for all ranks)."""
-    error = [None]
+def load_checkpoint(state: dict[str, torch.Tensor], ref: CheckpointRef, *, layout: PlanLayout, model: str,
+                    placements: Mapping[str, Sequence[Sequence[int]]]) -> dict | None:
+    """Collective: restore ``state`` in place from ``ref``; returns the manifest's ``experts`` section (the same on
+    every rank; None when it has none), which the caller applies. Raises PlanError on every rank, before anything is
+    unpickled, unless :func:`verify_checkpoint` with ``placements`` passes on rank 0 (which hashes the files once
+    for all ranks)."""
+    found: list = [None, None]  # (error, experts section)
     if dist.get_rank() == 0:
         try:
-            verify_checkpoint(ref, layout=layout, model=model)
+            found[1] = verify_checkpoint(ref, layout=layout, model=model, placements=placements)
         except PlanError as e:
-            error = [str(e)]
-    dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise PlanError(error[0])
+            found[0] = str(e)
+    dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        raise PlanError(found[0])
     import torch.distributed.checkpoint as dcp
 
     try:
         dcp.load(state, storage_reader=_verified_reader(ref.path))
     except dcp.api.CheckpointException as e:
         raise CheckpointError(f"checkpoint {str(ref.path)!r}: cannot be read: {_first_cause(e)}") from None
+    return found[1]
 
 
 class CheckpointError(RuntimeError):

@@ -387,10 +387,59 @@ def rank_step_from_vector(v: torch.Tensor) -> RankStep:
 
 
 @dataclass(frozen=True)
+class LayerRebalance:
+    """One MoE layer at a rebalance (moeplan.runtime.rebalance): the predicted device imbalance (max/mean − 1 of the
+    window's routed token copies per expert rank) under the placement it had and under the planned one, whether the
+    plan was applied (the gain exceeded ``--rebalance-threshold``), the logical experts that changed rank, and the
+    placement from then on (expert-group rank -> logical experts by local slot)."""
+
+    imbalance_before: float
+    imbalance_after: float
+    applied: bool
+    moved: tuple[int, ...]
+    placement: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class RebalanceRecord:
+    """A rebalance after a step (``moeplan run --rebalance-every``): ``seconds`` the whole of it took and
+    ``migrate_s`` the weight and optimizer-state migration (wall seconds, the slowest rank), ``moved_bytes`` sent to
+    other ranks by the migration (summed over ranks), and every MoE layer's :class:`LayerRebalance` by layer name."""
+
+    seconds: float
+    migrate_s: float
+    moved_bytes: int
+    layers: Mapping[str, LayerRebalance]
+
+    @property
+    def moved_experts(self) -> int:
+        """Logical experts that changed rank, summed over the layers."""
+        return sum(len(x.moved) for x in self.layers.values())
+
+    def to_dict(self) -> dict:
+        return {"seconds": self.seconds, "migrate_s": self.migrate_s, "moved_bytes": self.moved_bytes,
+                "moved_experts": self.moved_experts,
+                "layers": {k: {"imbalance_before": x.imbalance_before, "imbalance_after": x.imbalance_after,
+                               "applied": x.applied, "moved": list(x.moved),
+                               "placement": [list(s) for s in x.placement]}
+                           for k, x in self.layers.items()}}
+
+    @staticmethod
+    def from_dict(d: dict) -> "RebalanceRecord":
+        return RebalanceRecord(seconds=d["seconds"], migrate_s=d["migrate_s"], moved_bytes=d["moved_bytes"],
+                               layers={k: LayerRebalance(imbalance_before=x["imbalance_before"],
+                                                         imbalance_after=x["imbalance_after"], applied=x["applied"],
+                                                         moved=tuple(x["moved"]),
+                                                         placement=tuple(tuple(s) for s in x["placement"]))
+                                       for k, x in d["layers"].items()})
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """One JSON line of ``--metrics``: the step (1-based), its loss, wall time and throughput, every rank's
     measurements (``ranks``, ordered by global rank) and how busy rank 0's machine was (``host``,
-    :meth:`LoadMeter.host` when the record is built; None where unknown)."""
+    :meth:`LoadMeter.host` when the record is built; None where unknown). ``rebalance``: the rebalance that ran after
+    the step (``--rebalance-every``; not part of ``step_time_s``), None (and no key in the JSON) on other steps."""
 
     step: int
     loss: float
@@ -399,6 +448,7 @@ class StepRecord:
     grad_norm: float
     ranks: tuple[RankStep, ...]
     host: HostLoad | None = None
+    rebalance: RebalanceRecord | None = None
 
     @property
     def metered(self) -> bool:
@@ -415,7 +465,8 @@ class StepRecord:
                        "peak_saved_bytes": r.peak_saved_bytes if r.peak_saved_bytes >= 0 else None,
                        "peak_host_bytes": r.peak_host_bytes, "cpu_s": r.cpu_s,
                        **{k: getattr(r, k) for k in STATE_FIELDS if getattr(r, k) >= 0}}
-                      for r in self.ranks]})
+                      for r in self.ranks],
+            **({} if self.rebalance is None else {"rebalance": self.rebalance.to_dict()})})
 
     @staticmethod
     def from_json(line: str) -> "StepRecord":
@@ -432,4 +483,5 @@ class StepRecord:
         host = d.get("host")
         return StepRecord(step=d["step"], loss=d["loss"], step_time_s=d["step_time_s"],
                           tokens_per_s=d["tokens_per_s"], grad_norm=d["grad_norm"], ranks=ranks,
-                          host=None if host is None else HostLoad(**host))
+                          host=None if host is None else HostLoad(**host),
+                          rebalance=RebalanceRecord.from_dict(d["rebalance"]) if "rebalance" in d else None)

@@ -32,9 +32,10 @@ from __future__ import annotations
 import math
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Collection, Mapping, Sequence
+from typing import Collection, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -171,15 +172,21 @@ class FlatParams:
         """This shard's weighted sum of squared gradients (float64 scalar)."""
         return (self.grad.double().square() * self.norm_weight.double()).sum()
 
+    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``shard`` (a tensor of ``shard_numel`` elements: the master or an AdamW moment) concatenated in
+        group order: ``[padded]``, element ``offsets[i] + j`` belonging to element ``j`` of parameter ``i``; the shard
+        itself on one rank. The all-gather's seconds and payload are tallied as ``dp``."""
+        if self.world == 1 or not self.padded:
+            return shard
+        flat = torch.empty(self.padded, dtype=shard.dtype, device=self.device)
+        t0 = time.perf_counter()
+        all_gather_flat(flat, shard, group=self.group)
+        self.comm.add("dp", time.perf_counter() - t0, shard.numel() * shard.element_size())
+        return flat
+
     def all_gather_params(self) -> None:
         """Gather every rank's updated shard and copy it into the parameters."""
-        if self.world > 1 and self.padded:
-            flat = torch.empty(self.padded, device=self.device)
-            t0 = time.perf_counter()
-            all_gather_flat(flat, self.master, group=self.group)
-            self.comm.add("dp", time.perf_counter() - t0, self.master.numel() * self.master.element_size())
-        else:
-            flat = self.master
+        flat = self.gathered(self.master)
         with torch.no_grad():
             for e, off in zip(self.entries, self.offsets):
                 e.param.copy_(flat[off:off + e.param.numel()].view_as(e.param))
@@ -287,6 +294,33 @@ class DistributedAdamW:
         """Copy the (restored) master shards back into the parameters of every rank."""
         for b in self.buffers.values():
             b.all_gather_params()
+
+    @contextmanager
+    def unsharded_states(self, params: Collection[nn.Parameter]) -> Iterator[dict[int, tuple[torch.Tensor, ...]]]:
+        """The whole optimizer state of ``params`` while the block runs: ``{id(param): (master, exp_avg,
+        exp_avg_sq)}``, fp32 tensors shaped like the parameter, views into the buckets' state all-gathered over
+        their groups (the shards themselves on one rank). What the block writes into them is this rank's state
+        afterwards: each rank keeps its shard of the (changed) whole. Collective over the groups of the buckets
+        holding ``params`` (every rank of a group must pass parameters of the same buckets). Used between steps,
+        when no reduction is in flight (moeplan.runtime.rebalance moves experts' states with it)."""
+        wanted = {id(p) for p in params}
+        views: dict[int, tuple[torch.Tensor, ...]] = {}
+        whole: list[tuple[FlatParams, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+        for b in self.buffers.values():
+            hits = [(e.param, off) for e, off in zip(b.entries, b.offsets) if id(e.param) in wanted]
+            if not hits:
+                continue
+            shards = (b.master, self.adamw.state[b.master]["exp_avg"], self.adamw.state[b.master]["exp_avg_sq"])
+            fulls = tuple(b.gathered(t) for t in shards)
+            for p, off in hits:
+                views[id(p)] = tuple(f[off:off + p.numel()].view(p.shape) for f in fulls)
+            whole.append((b, shards, fulls))
+        yield views
+        for b, shards, fulls in whole:
+            lo = b.rank * b.shard_numel
+            for shard, full in zip(shards, fulls):
+                if full is not shard:
+                    shard.copy_(full[lo:lo + b.shard_numel])
 
 
 # ---- building the optimizer's inputs from a rank's modules -----------------------------------------------------------

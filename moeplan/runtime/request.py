@@ -11,9 +11,15 @@ builds one :class:`RunRequest` from them. Every rank gets that request as it is:
 """
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
 
 DEFAULT_TIMEOUT_S = 60.0
+AuxLossScope = Literal["sequence", "micro-batch", "ep-group", "dp-group", "global-batch"]
+AUX_LOSS_SCOPES: tuple[AuxLossScope, ...] = ("sequence", "micro-batch", "ep-group", "dp-group", "global-batch")
+"""``moeplan run --aux-loss-scope``: the tokens the auxiliary loss balances over, from the strictest (each sequence)
+to the loosest (the step); defined in moeplan.runtime.expert_parallel.ParallelRouter."""
 
 
 class RunRequest(BaseModel):
@@ -51,6 +57,19 @@ class RunRequest(BaseModel):
     (moeplan.runtime.expert_parallel.ParallelRouter), so routing is balanced as the plan assumes."""
     no_pin: bool = False
     """On the ``cpu`` backend, leave the ranks free to move between cores (``pin_to_cpu`` is skipped)."""
+    rebalance_every: int | None = None
+    """Re-place the routed experts by their measured load every N steps (moeplan.runtime.rebalance); None: never
+    (``--rebalance-every 0``)."""
+    rebalance_threshold: float | None = None
+    """The gain in predicted device imbalance (max/mean − 1, absolute) a layer's new placement must exceed to be
+    applied; set exactly when ``rebalance_every`` is."""
+    aux_loss_coeff: float | None = None
+    """Weight of the MoE auxiliary load-balance loss; None: none (``--aux-loss-coeff 0``)."""
+    aux_loss_scope: AuxLossScope | None = None
+    """The tokens the auxiliary loss balances over; set exactly when ``aux_loss_coeff`` is."""
+    record_load: str | None = None
+    """The expert-load trace (moeplan.expert_load) rank 0 writes: every step's routed token copies per expert and
+    MoE layer, summed over the ranks; None: none."""
 
     def cli_args(self) -> list[str]:
         """The arguments of ``moeplan run`` that ask for this request: the plan path, then every field that is set

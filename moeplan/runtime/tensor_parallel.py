@@ -70,6 +70,11 @@ class ShardEnv:
         return Link(self.groups.tp_cp, "ep", self.comm_log)
 
     @property
+    def dp_link(self) -> Link:
+        """Routing statistics over the DP ranks (the dp-group and global-batch auxiliary losses): EP traffic."""
+        return Link(self.groups.dp, "ep", self.comm_log)
+
+    @property
     def tp(self) -> int:
         return self.layout.tp
 

@@ -9,8 +9,9 @@ hccl) with an explicit timeout, and :func:`train` runs the steps.
 One step: the global batch of the step (moeplan.runtime.data) → this rank's micro-batches → the action list
 (:class:`~moeplan.runtime.executor.PipelineExecutor`) → one TP all-reduce of the TP-replicated parameters'
 gradients → tied-gradient sums across PP → the distributed optimizer
-(ZeRO-1 AdamW, clipping) → an all-gather of every rank's measurements → rank 0 writes the JSON line and advances
-the progress bar; every ``checkpoint_every`` steps a checkpoint.
+(ZeRO-1 AdamW, clipping) → an all-gather of every rank's measurements → every ``rebalance_every`` steps a rebalance
+of the expert placement (moeplan.runtime.rebalance) → rank 0 writes the JSON line and advances the progress bar;
+every ``checkpoint_every`` steps a checkpoint.
 
 A rank reports its own exception to torch elastic in the error file the agent names (:func:`run_rank`), written
 atomically; SIGINT (Ctrl-C) ends it at once, quietly, with exit code 130 (:func:`exit_on_interrupt`): the launcher
@@ -25,7 +26,7 @@ import sys
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -63,15 +64,17 @@ from moeplan.runtime.build import LayerDict, build_rank_modules, node_group_rank
 from moeplan.runtime.checkpoint import load_checkpoint, newest_checkpoint, rank_state, save_checkpoint
 from moeplan.runtime.data import MicroBatch, check_tokens, global_batch, load_tokens, rank_microbatches
 from moeplan.runtime.executor import PipelineExecutor, has_pairs, layer_calls
-from moeplan.runtime.expert_parallel import ParallelMoE, ParallelRouter
+from moeplan.runtime.expert_parallel import ParallelMoE, ParallelRouter, start_step, take_expert_counts
 from moeplan.runtime.groups import ParallelGroups, RankCoords, make_groups, make_stream_groups
 from moeplan.runtime.launch import DIST_BACKEND, check_runnable, pin_to_cpu
+from moeplan.runtime.load_record import LoadRecorder
 from moeplan.runtime.heartbeat import ENV as HEARTBEAT_ENV, start_beating
 from moeplan.runtime.metrics import (CommTotals, LoadMeter, RankStep, SavedActivationMeter, StepRecord,
                                      model_state_bytes, rank_step_from_vector, rank_step_vector)
 from moeplan.runtime.optimizer import (DistributedAdamW, OptimConfig, ReplicatedGrads, TiedGrads, param_entries,
                                        synced_after_backward)
 from moeplan.runtime.overlap import PairRunner
+from moeplan.runtime.rebalance import Rebalancer, initial_placements
 from moeplan.runtime.parallel import CommLog, all_gather_flat
 from moeplan.runtime.request import RunRequest
 
@@ -81,11 +84,13 @@ def in_layer_classes(groups: ParallelGroups) -> dict[str, str]:
     """Process-group name -> comm class of the in-layer collectives on it (the p2p and optimizer traffic is tallied
     by the executor and optimizer themselves). ``tp_cp`` carries the micro-batch-wide routing statistics (EP) and
     ``etp`` the expert-TP gathers (EP), as cost_models/sharding.py prices them, and the hierarchical and dedup dispatchers'
-    node groups (``expert_inter``, ``expert_intra``; pass :func:`layer_groups`) their exchanges (EP); the first class
-    wins for a shared group."""
+    node groups (``expert_inter``, ``expert_intra``; pass :func:`layer_groups`) their exchanges (EP); ``dp`` the
+    routing statistics of the dp-group and global-batch auxiliary losses (EP, unpriced); the first class wins for a
+    shared group."""
     out: dict[str, str] = {}
     for group, cls in ((groups.cp, "cp"), (groups.tp, "tp"), (groups.tp_cp, "ep"), (groups.expert, "ep"),
-                       (groups.etp, "ep"), (groups.expert_inter, "ep"), (groups.expert_intra, "ep")):
+                       (groups.etp, "ep"), (groups.expert_inter, "ep"), (groups.expert_intra, "ep"),
+                       (groups.dp, "ep")):
         if group is not None:
             out.setdefault(group.group_name, cls)
     return out
@@ -125,19 +130,26 @@ class RankSetup:
     load: LoadMeter
     """How busy this process and its machine were since the previous step record (since the setup began, for the
     first): each record's ``cpu_s`` and ``host``."""
+    rebalancer: Rebalancer
+    """Every MoE layer's expert placement, and the rebalances of ``--rebalance-every``."""
 
 
-def setup_rank(plan: Plan, request: RunRequest, *, device: torch.device, aux_loss_coeff: float = 0.0) -> RankSetup:
+def setup_rank(plan: Plan, request: RunRequest, *, device: torch.device,
+               aux_loss_coeff: float | None = None) -> RankSetup:
     """Collective: groups, this rank's modules (moeplan.runtime.build), executor and optimizer. ``aux_loss_coeff``:
-    the MoE load-balance loss weight (moeplan.models.MoEModel's; 0 there too by default), its gradient scaled like
-    the executor's ``1/num_microbatches`` loss scale."""
+    the MoE load-balance loss weight (None: ``request.aux_loss_coeff``, 0 when that is None, as
+    moeplan.models.MoEModel's default), its gradient scaled like the executor's ``1/num_microbatches`` loss scale,
+    over the tokens of ``request.aux_loss_scope`` (moeplan.runtime.expert_parallel.ParallelRouter)."""
+    if aux_loss_coeff is None:
+        aux_loss_coeff = request.aux_loss_coeff or 0.0
     load = LoadMeter()  # the first step's CPU and host figures include the setup
     rank, lay = dist.get_rank(), plan.layout
     timeout = timedelta(seconds=request.timeout_s)
     coords, groups = make_groups(lay, rank, timeout=timeout)
     layer_log = CommLog(devices_per_node=plan.target.devices_per_node)
     modules = build_rank_modules(plan, coords, groups, seed=request.seed, device=device, comm_log=layer_log,
-                                 aux_loss_coeff=aux_loss_coeff, aux_loss_scale=1.0 / lay.num_microbatches)
+                                 aux_loss_coeff=aux_loss_coeff, aux_loss_scale=1.0 / lay.num_microbatches,
+                                 aux_loss_scope=request.aux_loss_scope or "micro-batch")
     if request.force_balanced_routing:  # random router scores, a different stream on every rank
         torch.manual_seed(request.seed * dist.get_world_size() + rank)
         for layers in modules.values():
@@ -158,7 +170,10 @@ def setup_rank(plan: Plan, request: RunRequest, *, device: torch.device, aux_los
                                 localize=lambda mb: _to(mb, device),
                                 call=layer_calls(plan, coords.pp_rank, meter, modules, device), device=device,
                                 pairs=pairs, grads_ready=optimizer.grads_ready if "dp" in plan.comm.overlap else None)
-    return RankSetup(coords, groups, modules, executor, optimizer, ties, replicated, comm, layer_log, meter, load)
+    rebalancer = Rebalancer(plan, modules, optimizer, groups.expert, every=request.rebalance_every or 0,
+                            threshold=request.rebalance_threshold or 0.0, device=_comm_device(plan))
+    return RankSetup(coords, groups, modules, executor, optimizer, ties, replicated, comm, layer_log, meter, load,
+                     rebalancer)
 
 
 def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
@@ -173,6 +188,7 @@ def run_one_step(plan: Plan, setup: RankSetup, tokens: torch.Tensor, step: int, 
     setup.layer_log.clear()
     setup.meter.reset_peak()
     t0 = time.perf_counter()
+    start_step(setup.modules)
     batch = global_batch(tokens, step=step, global_batch=lay.global_batch, seq_len=lay.seq_len)
     mbs = rank_microbatches(batch, dp_rank=coords.dp_rank, dp=lay.dp, micro_batch=lay.micro_batch)
     loss_sum, times = setup.executor.run_step(mbs, setup.comm, metered=metered)
@@ -231,7 +247,9 @@ def _resume(plan: Plan, request: RunRequest, setup: RankSetup, step_tensor: torc
                   file=sys.stderr)
         return 0
     state = rank_state(dist.get_rank(), setup.modules, setup.optimizer.state_tensors(), step_tensor)
-    load_checkpoint(state, ref, layout=plan.layout, model=plan.model.fingerprint)
+    experts = load_checkpoint(state, ref, layout=plan.layout, model=plan.model.fingerprint,
+                              placements=initial_placements(plan))
+    setup.rebalancer.restore(experts)
     setup.optimizer.sync_params()
     if dist.get_rank() == 0:
         print(f"moeplan run: resumed from checkpoint {ref.path} (after step {ref.step}); running steps "
@@ -250,11 +268,11 @@ def _keep_records(path: Path, upto: int) -> None:
 
 
 def train(plan: Plan, request: RunRequest, *, device: torch.device,
-          on_step: Callable[[StepRecord], None] | None = None, aux_loss_coeff: float = 0.0) -> list[StepRecord]:
+          on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
     """Run ``request.steps`` steps (fewer when resuming) on this rank; collective over the initialised process
-    group. Returns the records of the steps run; rank 0 appends them to ``request.metrics``. ``aux_loss_coeff``:
-    :func:`setup_rank`'s."""
-    setup = setup_rank(plan, request, device=device, aux_loss_coeff=aux_loss_coeff)
+    group. Returns the records of the steps run; rank 0 appends them to ``request.metrics`` and writes the load
+    trace ``request.record_load`` (moeplan.runtime.load_record)."""
+    setup = setup_rank(plan, request, device=device)
     tokens = load_tokens(request.data)
     check_tokens(tokens, vocab_size=plan.model.spec.vocab_size, seq_len=plan.layout.seq_len)
     step_tensor = torch.zeros((), dtype=torch.int64)
@@ -266,8 +284,15 @@ def train(plan: Plan, request: RunRequest, *, device: torch.device,
         elif metrics.exists():
             metrics.unlink()
     records = []
+    recorder = LoadRecorder(plan, request, start=start, device=_comm_device(plan)) if request.record_load else None
     for step in range(start, request.steps):
         record = run_one_step(plan, setup, tokens, step, metered=step % request.meter_every == 0)
+        if recorder is not None:  # first: the rebalancer takes the counts and resets them itself
+            recorder.add(step + 1, take_expert_counts(setup.modules, reset=not setup.rebalancer.every))
+        if setup.rebalancer.every:
+            setup.rebalancer.observe()
+            if setup.rebalancer.due(step + 1):  # between the step's update and the next forward
+                record = replace(record, rebalance=setup.rebalancer.rebalance())
         records.append(record)
         if metrics is not None:
             with metrics.open("a") as f:
@@ -276,9 +301,13 @@ def train(plan: Plan, request: RunRequest, *, device: torch.device,
             on_step(record)
         if request.checkpoint_every and (step + 1) % request.checkpoint_every == 0 and request.checkpoint_dir:
             step_tensor.fill_(step + 1)
+            if recorder is not None:  # the trace is complete up to the checkpoint a resume starts from
+                recorder.sync()
             state = rank_state(dist.get_rank(), setup.modules, setup.optimizer.state_tensors(), step_tensor)
             save_checkpoint(state, root=request.checkpoint_dir, step=step + 1, layout=plan.layout,
-                            model=plan.model.fingerprint)
+                            model=plan.model.fingerprint, experts=setup.rebalancer.checkpoint_section())
+    if recorder is not None:
+        recorder.close()
     return records
 
 
