@@ -132,7 +132,7 @@ def compile_cmd(
     from moeplan.plan import save_plan
     from moeplan.render import (layout_dict, predicted_dict, render_plan, render_search, search_dict, search_summary,
                                 shape_sources)
-    from moeplan.load_model import POLICIES
+    from moeplan.placement import POLICIES
     from moeplan.search import Fixed, check_pipeline
     from moeplan.runtimes import RUNTIMES
     from moeplan.state import Precision

@@ -90,11 +90,6 @@ class Layout:
         return (f"tp{self.tp} pp{self.pp} vpp{self.vpp} ep{self.ep} etp{self.etp} cp{self.cp} dp{self.dp} "
                 f"mb{self.micro_batch}" + (f" fsdp{self.dp_shard}" if self.dp_shard > 1 else ""))
 
-    @property
-    def balanced(self) -> bool:
-        """Routing is priced balanced and no expert is replicated (no load trace)."""
-        return self.expert_load == 1.0 and self.expert_replication == 1.0
-
 
 MAX_DEVICES = 2**20
 MAX_MICROBATCHES = 2**16

@@ -29,8 +29,6 @@ from moeplan import placement
 from moeplan.errors import LoadError
 from moeplan.expert_load import LoadTrace, balancedness, cv, imbalance, rank_tokens
 
-POLICIES = ("contiguous", "greedy", "eplb")
-
 
 @dataclass(frozen=True)
 class LayerLoad:
@@ -100,8 +98,8 @@ class LoadModel:
         another policy, or a placement the policy cannot make."""
         key = (shards, policy, replicas)
         if key not in self._cache:
-            if policy not in POLICIES:
-                raise LoadError(f"expert_policy={policy!r}: must be one of {', '.join(POLICIES)}")
+            if policy not in placement.POLICIES:
+                raise LoadError(f"expert_policy={policy!r}: must be one of {', '.join(placement.POLICIES)}")
             if replicas < 0 or (replicas and policy != "eplb"):
                 raise LoadError(f"expert_replicas={replicas}: replicas need the eplb policy and must be ≥ 0")
             self._cache[key] = self._place(shards, policy, replicas)

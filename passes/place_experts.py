@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from moeplan.errors import LoadError, PlanError
-from moeplan.load_model import POLICIES
-from moeplan.placement import contiguous
+from moeplan.placement import POLICIES, contiguous
 from moeplan.state import ExpertPlacement, PlanState
 
 
