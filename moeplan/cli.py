@@ -20,7 +20,7 @@ from moeplan.cli_errors import (GuardedGroup, Invocation, StdoutConsole, err, ex
                                 exit_on_interrupt, invocation_of, warn)
 from moeplan.cli_options import (OVERLAP_HELP, PIPELINE_HELP, choice, expert_load_model, integer, positive, run_request,
                                 strategy_options)
-from moeplan.errors import LayoutError
+from moeplan.errors import LayoutError, PlanError
 
 app = typer.Typer(cls=GuardedGroup, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Compile MoE training jobs into execution plans.")
@@ -117,6 +117,12 @@ def compile_cmd(
                                                      "contiguous)"),
     expert_replicas: Optional[int] = typer.Option(None, "--expert-replicas",
                                                   help="eplb: extra expert slots per EP rank for replicas"),
+    rebalance_every: Optional[int] = typer.Option(
+        None, "--rebalance-every", help="with --expert-load: price a run that re-places the experts every N steps "
+                                        "and moves them (moeplan run takes N from the plan; docs/load-balance.md)"),
+    rebalance_threshold: Optional[float] = typer.Option(
+        None, "--rebalance-threshold", help="with --rebalance-every: the imbalance gain a layer's new placement "
+                                            "must exceed (default 0.05)"),
     top: int = typer.Option(1, "--top", help="print the best K layouts"),
     candidates: int = typer.Option(4, "--candidates",
                                    help="best estimates simulated with the full pipeline (at least --top), then as many "
@@ -164,6 +170,11 @@ def compile_cmd(
         pipe = pipe.with_option("place-experts", "policy", choice("expert_policy", expert_policy, POLICIES))
     if expert_replicas is not None:
         pipe = pipe.with_option("place-experts", "replicas", expert_replicas)
+    if rebalance_threshold is not None and not rebalance_every:
+        raise PlanError(f"rebalance_threshold={rebalance_threshold}: applies to --rebalance-every, which is off")
+    for key, value in (("rebalance_every", rebalance_every), ("rebalance_threshold", rebalance_threshold)):
+        if value is not None:
+            pipe = pipe.with_option("place-experts", key, value)
     if memory_budget is not None:
         if not 0 < memory_budget <= tgt.memory_bytes / 2**30:
             raise LayoutError(f"memory_budget={memory_budget}: must be a positive number of GiB no larger than the "
@@ -321,9 +332,10 @@ def run_cmd(
                                                      "routing, as the plan assumes); changes training"),
     no_pin: bool = typer.Option(False, "--no-pin", help="cpu plans: do not bind each rank to its own core (by "
                                                         "default rank i runs on the i-th CPU this process may use)"),
-    rebalance_every: int = typer.Option(0, "--rebalance-every",
-                                        help="every N steps, re-place the routed experts by the load they saw and "
-                                             "move them between expert ranks (0: never; docs/runtime.md)"),
+    rebalance_every: Optional[int] = typer.Option(
+        None, "--rebalance-every", help="every N steps, re-place the routed experts by the load they saw and move "
+                                        "them between expert ranks (0: never; default: the plan's "
+                                        "experts.load.rebalance, else never; docs/runtime.md)"),
     rebalance_threshold: Optional[float] = typer.Option(
         None, "--rebalance-threshold", help="with --rebalance-every: apply a layer's new placement only when it "
                                             "lowers the predicted device imbalance (max/mean - 1) by more than "
@@ -343,7 +355,6 @@ def run_cmd(
     """
     import os
 
-    from moeplan.errors import PlanError
     from moeplan.plan import load_plan
     from moeplan.runtime.data import BYTE_VOCAB, check_tokens, file_tokens
     from moeplan.runtime.checkpoint import checkpoint_lock
@@ -356,6 +367,11 @@ def run_cmd(
     if meter_every is None:  # a production run (torchrun, cuda/npu) pays the meter's hooks on one step in 100
         production = print_command or under_torchrun() or plan.target.backend != "cpu"
         meter_every = PRODUCTION_METER_EVERY if production else 1
+    planned = plan.experts.load.rebalance if plan.experts.load is not None else None
+    if rebalance_every is None and planned is not None:  # the plan's (compile --rebalance-every); 0 overrides it
+        rebalance_every = planned.every
+        if rebalance_threshold is None:
+            rebalance_threshold = planned.threshold
     request = run_request(plan_path, steps=steps, metrics=metrics, data=data, checkpoint_every=checkpoint_every,
                           checkpoint_dir=checkpoint_dir, resume=resume, seed=seed, lr=lr, timeout=timeout,
                           meter_every=meter_every, force_balanced_routing=force_balanced_routing, no_pin=no_pin,

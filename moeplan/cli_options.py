@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from moeplan.errors import LayoutError, PlanError
 from moeplan.files import check_output
 from moeplan.mechanisms import MECHANISMS
+from moeplan.placement import DEFAULT_REBALANCE_THRESHOLD
 
 if TYPE_CHECKING:
     from moeplan.runtime.request import RunRequest
@@ -21,9 +22,6 @@ if TYPE_CHECKING:
 PIPELINE_HELP = ("compiler passes in order, comma-separated, each with options in braces: shard, partition-stages, "
                  "place-experts, schedule, plan-memory, simulate (the default, in this order); e.g. "
                  "'shard,partition-stages{layer_layout=free},place-experts,schedule,plan-memory,simulate'")
-DEFAULT_REBALANCE_THRESHOLD = 0.05
-"""``moeplan run --rebalance-threshold``'s default: a layer's new placement is applied when it lowers the predicted
-device imbalance (max/mean − 1) by more than 0.05, i.e. the busiest expert rank by 5% of the mean."""
 OVERLAP_HELP = ("comma list of the overlap mechanisms: "
                 + "; ".join(f"{m.name}: {m.summary}" for m in MECHANISMS.values()) + "; or none, all, auto")
 
@@ -108,7 +106,7 @@ def positive(name: str, value: Optional[int]) -> Optional[int]:
 
 def run_request(plan_path: str, *, steps: int, metrics: Optional[str], data: Optional[str], checkpoint_every: int,
                 checkpoint_dir: Optional[str], resume: bool, seed: int, lr: float, timeout: float, meter_every: int,
-                force_balanced_routing: bool, no_pin: bool, rebalance_every: int = 0,
+                force_balanced_routing: bool, no_pin: bool, rebalance_every: Optional[int] = None,
                 rebalance_threshold: Optional[float] = None, aux_loss_coeff: float = 0.0,
                 aux_loss_scope: Optional[str] = None, record_load: Optional[str] = None) -> RunRequest:
     """The :class:`RunRequest` of ``moeplan run``'s options, its paths made absolute (the printed torchrun command
@@ -116,8 +114,10 @@ def run_request(plan_path: str, *, steps: int, metrics: Optional[str], data: Opt
     that is not a finite positive number, checkpoints asked for without ``checkpoint_dir`` or into a file, and a
     ``metrics`` file that cannot be written or is the run's plan or data file; OutputError for a ``metrics`` path
     :func:`~moeplan.files.check_output` refuses. ``steps`` and ``meter_every`` are the caller's to check
-    (:func:`positive`). ``rebalance_every`` 0 is off; PlanError for a negative one, a ``rebalance_threshold`` that is
-    not a finite number ≥ 0 or is given without it (default with it: :data:`DEFAULT_REBALANCE_THRESHOLD`).
+    (:func:`positive`). ``rebalance_every`` None or 0 is off (0 is kept in the request, so that the ranks a printed
+    command starts do not take a plan's rebalancing either); PlanError for a negative one, a
+    ``rebalance_threshold`` that is not a finite number ≥ 0 or is given without it (default with it:
+    moeplan.placement.DEFAULT_REBALANCE_THRESHOLD).
     ``aux_loss_coeff`` 0 is off; PlanError for one that is not a finite number ≥ 0, an ``aux_loss_scope`` not in
     moeplan.runtime.request.AUX_LOSS_SCOPES or given without it (default with it: ``micro-batch``), and a
     ``record_load`` file that is the run's plan, data or metrics file; OutputError for one check_output refuses."""
@@ -125,7 +125,7 @@ def run_request(plan_path: str, *, steps: int, metrics: Optional[str], data: Opt
 
     if checkpoint_every < 0:
         raise PlanError(f"checkpoint_every={checkpoint_every}: must be >= 0")
-    if rebalance_every < 0:
+    if rebalance_every is not None and rebalance_every < 0:
         raise PlanError(f"rebalance_every={rebalance_every}: must be >= 0 (0: never)")
     if rebalance_threshold is not None and not (math.isfinite(rebalance_threshold) and rebalance_threshold >= 0):
         raise PlanError(f"rebalance_threshold={rebalance_threshold}: must be a finite number >= 0")
@@ -163,7 +163,7 @@ def run_request(plan_path: str, *, steps: int, metrics: Optional[str], data: Opt
                       checkpoint_every=checkpoint_every, checkpoint_dir=absolute(checkpoint_dir), resume=resume,
                       seed=seed, lr=lr, timeout_s=timeout, meter_every=meter_every,
                       force_balanced_routing=force_balanced_routing, no_pin=no_pin,
-                      rebalance_every=rebalance_every or None,
+                      rebalance_every=rebalance_every,
                       rebalance_threshold=(DEFAULT_REBALANCE_THRESHOLD if rebalance_threshold is None
                                            else rebalance_threshold) if rebalance_every else None,
                       aux_loss_coeff=aux_loss_coeff or None,

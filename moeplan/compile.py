@@ -13,8 +13,8 @@ from moeplan.passes.shard import ShardPass
 from moeplan.passes.simulate import SimulatePass
 from moeplan.plan import (SCHEMA_VERSION, Plan, PlanCollective, PlanComm, PlanCommClass, PlanExpertLoad, PlanExperts,
                           PlanLayerCost, PlanLayerDecisions, PlanLayerLoad, PlanLayout, PlanMemory, PlanModel,
-                          PlanOpDecision, PlanPrecision, PlanPrediction, PlanProvenance, PlanRankMemory, PlanSchedule,
-                          PlanSharding, PlanStages)
+                          PlanOpDecision, PlanPrecision, PlanPrediction, PlanProvenance, PlanRankMemory,
+                          PlanRebalance, PlanSchedule, PlanSharding, PlanStages)
 from moeplan.search import Fixed, SearchResult, search
 from moeplan.search_eval import Evaluated
 from moeplan.spec import ModelSpec
@@ -81,6 +81,29 @@ def _plan_decisions(d: GroupChoice) -> PlanLayerDecisions:
                                                   saved_bytes=o.saved_bytes, flag=o.flag) for o in d.ops])
 
 
+def _plan_rebalance(st: PlanState) -> PlanRebalance | None:
+    """The priced rebalances of the state's load (cost_models/rebalance.py); None when the placement stays."""
+    from moeplan.cost_models.rebalance import rebalance_cost
+
+    placed, model = st.experts.load, st.load  # type: ignore[union-attr]
+    r = placed.rebalancing  # type: ignore[union-attr]
+    if r is None:
+        return None
+    spec = st.graph.spec
+    names = [f"layers.{i}" if i < spec.num_layers else f"mtp.{i - spec.num_layers}"
+             for i in model.trace.layers]  # type: ignore[union-attr]
+    stage_layers = [[j for j, name in enumerate(names) if any(name in chunk for chunk in rank)]
+                    for rank in st.stages.chunks]  # type: ignore[union-attr]
+    costs = [rebalance_cost(spec=spec, layout=st.layout, target=st.target, precision=st.strategy.precision,
+                            stage_layers=stage_layers, sent=sent, received=received)
+             for sent, received in zip(r.sent, r.received)]
+    k = max(len(costs), 1)
+    return PlanRebalance(every=r.every, threshold=r.threshold, rebalances=len(costs),
+                         moved_experts=sum(r.moved_experts) / k, sent_bytes=sum(c.sent_bytes for c in costs) / k,
+                         seconds=sum(c.seconds for c in costs) / k, migrate_s=sum(c.migrate_s for c in costs) / k,
+                         per_step_s=sum(c.seconds for c in costs) / r.window_steps)
+
+
 def _plan_load(st: PlanState, balanced_step_s: float | None) -> PlanExpertLoad | None:
     """The plan's record of the load trace the state was priced with (None without one)."""
     placed, model = st.experts.load if st.experts else None, st.load
@@ -92,7 +115,7 @@ def _plan_load(st: PlanState, balanced_step_s: float | None) -> PlanExpertLoad |
                           balanced_step_s=balanced_step_s if balanced_step_s is not None else 0.0,
                           layers=[PlanLayerLoad(layer=x.layer, shards=[list(s) for s in x.shards],
                                                 imbalance=x.imbalance, balancedness=x.balancedness, cv=x.cv)
-                                  for x in placed.layers])
+                                  for x in placed.layers], rebalance=_plan_rebalance(st))
 
 
 def plan_from_state(ev: Evaluated, *, pipeline: str, compile_s: float, trace_s: float = 0.0,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import numpy as np
 
@@ -396,3 +396,55 @@ def place(policy: Policy, load: object, num_shards: int, *, num_replicas: int | 
     else:
         layers = eplb(w, replicas, num_groups, num_nodes, n)
     return Placement(policy, "ok", "", layers)
+
+
+# ---- rebalancing while training ------------------------------------------------------------------------------------
+DEFAULT_REBALANCE_THRESHOLD = 0.05
+"""A layer's new placement is applied when it lowers the predicted device imbalance (max/mean − 1) by more than
+0.05, i.e. the busiest expert rank by 5% of the mean (``moeplan run --rebalance-threshold``'s default, and the
+``place-experts`` pass's when it prices rebalancing)."""
+
+
+@dataclass(frozen=True)
+class LayerRebalance:
+    """One MoE layer at a rebalance (:func:`rebalance_layer`): the predicted device imbalance (max/mean − 1 of the
+    window's routed token copies per expert rank) under the placement it had and under the planned one, whether the
+    plan was applied (the gain exceeded the threshold), the logical experts that changed rank, and the placement
+    from then on (expert-group rank -> logical experts by local slot)."""
+
+    imbalance_before: float
+    imbalance_after: float
+    applied: bool
+    moved: tuple[int, ...]
+    placement: tuple[tuple[int, ...], ...]
+
+
+def arrange(before: Sequence[Sequence[int]], planned: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """The planned expert sets ``planned[r]`` in slot order: an expert that stays on rank ``r`` keeps its slot of
+    ``before``, the arrivals take the vacated slots in ascending expert order. Raises ValueError when a planned set
+    has another size than the rank's slots."""
+    out = []
+    for r, (old, new) in enumerate(zip(before, planned)):
+        if len(old) != len(new):
+            raise ValueError(f"placement[{r}]={list(new)}: must hold {len(old)} experts, as the rank's slots")
+        arrivals = iter(sorted(set(new) - set(old)))
+        out.append(tuple(e if e in new else next(arrivals) for e in old))
+    return tuple(out)
+
+
+def rebalance_layer(load: object, before: Sequence[Sequence[int]], threshold: float) -> LayerRebalance:
+    """One layer's rebalancing decision from its window ``load [E]`` (token copies per logical expert) and current
+    placement ``before`` (one copy of each expert): the :func:`greedy` placement in ``before``'s slots
+    (:func:`arrange`), applied when it lowers the predicted imbalance (moeplan.expert_load.imbalance) by more than
+    ``threshold``. ``placement`` is the layer's placement from then on either way. The decision of
+    ``moeplan run --rebalance-every`` (moeplan.runtime.rebalance) and of its price (moeplan.load_model)."""
+    from moeplan.expert_load import imbalance, rank_tokens
+
+    before = tuple(tuple(int(e) for e in s) for s in before)
+    planned = arrange(before, greedy(load, len(before)).shards)
+    was, will = (float(imbalance(rank_tokens(np.asarray(load, dtype=np.float64)[None], p))[0])
+                 for p in (before, planned))
+    applied = was - will > threshold
+    moved = tuple(sorted(e for r, s in enumerate(planned) for e in s if e not in before[r])) if applied else ()
+    return LayerRebalance(imbalance_before=was, imbalance_after=will, applied=applied, moved=moved,
+                          placement=planned if applied else before)

@@ -229,6 +229,29 @@ class PlanLayerLoad(_Frozen):
     """Coefficient of variation std/mean of the routed tokens per rank (MindSpeed's)."""
 
 
+class PlanRebalance(_Frozen):
+    """Rebalancing while training, priced from the trace (``--rebalance-every``; docs/load-balance.md §7): the run
+    replayed over the trace, each rebalance's migration priced as its own event between two steps."""
+
+    every: int = Field(ge=1)
+    """Steps between rebalances (``moeplan run`` takes it from the plan)."""
+    threshold: float = Field(ge=0, allow_inf_nan=False)
+    """The imbalance gain (max/mean − 1) a layer's new placement must exceed to be applied."""
+    rebalances: int = Field(ge=0)
+    """Rebalances replayed that precede a step of the window."""
+    moved_experts: float = Field(ge=0, allow_inf_nan=False)
+    """Experts moved per rebalance (mean over them), summed over the layers."""
+    sent_bytes: float = Field(ge=0, allow_inf_nan=False)
+    """Bytes the busiest expert-group rank of the busiest stage sends or receives per rebalance (mean): each moved
+    expert's weights, master copy and Adam moments."""
+    seconds: float = Field(ge=0, allow_inf_nan=False)
+    """Predicted seconds per rebalance (mean): the count all-reduce and the migration all-to-all."""
+    migrate_s: float = Field(ge=0, allow_inf_nan=False)
+    """Of ``seconds``, the migration all-to-all (``moeplan run`` measures it as ``rebalance.migrate_s``)."""
+    per_step_s: float = Field(ge=0, allow_inf_nan=False)
+    """The rebalances' seconds spread over the window's steps: what rebalancing adds to each step."""
+
+
 class PlanExpertLoad(_Frozen):
     """The load trace a plan is priced with and what it means for the placement (docs/load-balance.md)."""
 
@@ -245,7 +268,17 @@ class PlanExpertLoad(_Frozen):
     balanced_step_s: float = Field(ge=0, allow_inf_nan=False)
     """The step this plan would take under balanced routing (same layout and decisions), seconds."""
     layers: list[PlanLayerLoad]
-    """Each traced MoE layer; the step model prices their mean ``1 + imbalance`` (layout.expert_load)."""
+    """Each traced MoE layer; the step model prices their mean ``1 + imbalance`` (layout.expert_load). With
+    ``rebalance``, ``shards`` is where a run starts and the imbalance is the replayed run's."""
+    rebalance: PlanRebalance | None = None
+    """Rebalancing while training; absent: the placement stays for the whole run."""
+
+    @model_serializer(mode="wrap")
+    def _static_unwritten(self, handler):  # noqa: ANN001, ANN202
+        doc = handler(self)
+        if doc.get("rebalance") is None:
+            doc.pop("rebalance", None)
+        return doc
 
 
 class PlanExperts(_Frozen):

@@ -118,8 +118,8 @@ def shape_sources(model: str, *, seq_len: int | None = None, global_batch: int |
 
 def expert_load_line(plan: Plan) -> str:
     """What the plan assumes of expert routing, in one line: balanced, or the load trace, its window and policy,
-    the mean and worst device imbalance over its layers, and the step against the same plan under balanced
-    routing (docs/load-balance.md)."""
+    the mean and worst device imbalance over its layers, the step against the same plan under balanced routing,
+    and the rebalances' price (docs/load-balance.md)."""
     load = plan.experts.load
     if load is None:
         return "balanced (no load trace: every routed expert gets T·top_k/E tokens)"
@@ -128,9 +128,15 @@ def expert_load_line(plan: Plan) -> str:
     step, base = plan.prediction.step_time_s, load.balanced_step_s
     replicas = f" + {load.replicas} replica slot(s) per rank" if load.replicas else ""
     cost = f"{step:.3f} s vs {base:.3f} s balanced ({step / base - 1:+.1%})" if base > 0 else f"{step:.3f} s"
-    return (f"trace {load.trace} (steps {load.window[0]}–{load.window[1]}), {load.policy}{replicas}: device "
+    line = (f"trace {load.trace} (steps {load.window[0]}–{load.window[1]}), {load.policy}{replicas}: device "
             f"imbalance mean {sum(imb) / len(imb):.1%}, worst {worst.imbalance:.1%} (layer {worst.layer}); busiest "
             f"EP rank priced at ×{plan.layout.expert_load:.3f}; step {cost}")
+    r = load.rebalance
+    if r is not None:
+        line += (f"; rebalanced every {r.every} steps: {r.moved_experts:.1f} experts moved, "
+                 f"{r.sent_bytes / 2**20:.2f} MiB from the busiest rank, {r.seconds * 1e3:.2f} ms per rebalance "
+                 f"(+{r.per_step_s * 1e3:.2f} ms per step)")
+    return line
 
 
 def render_plan(console: Console, plan: Plan, sources: dict[str, str] | None = None) -> None:

@@ -274,11 +274,11 @@ class Options:
 
 
 def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed, budget: float,
-                  placing: tuple[str, int] = ("contiguous", 0)) -> Options:
+                  placing: tuple = ("contiguous", 0)) -> Options:
     """Steps 1–3 of the module docstring: enumerate the layouts, check them, drop those whose model states and
     fixed overheads do not fit ``budget`` (bytes per device), and pair each with its strategies. With a load trace
     (``fixed.load``) each MoE layout carries the busiest EP rank's load and the replicas' memory under ``placing``,
-    the ``place-experts`` pass's (policy, replica slots): :func:`expert_placing`."""
+    the ``place-experts`` pass's (policy, replica slots, rebalancing): :func:`expert_placing`."""
     dpn = target.devices_per_node
     rejected: Counter = Counter()
     cache: dict = {}
@@ -328,13 +328,13 @@ def build_options(*, graph: ModelGraph, target: Target, num_devices: int, fixed:
     return Options(options, layouts, rejected, examples)
 
 
-def expert_placing(pipeline: Pipeline) -> tuple[str, int]:
-    """The ``place-experts`` pass's (policy, replica slots) in ``pipeline`` (the pass's defaults without one)."""
+def expert_placing(pipeline: Pipeline) -> tuple[str, int, int, float]:
+    """The ``place-experts`` pass's (policy, replica slots, rebalance_every, rebalance_threshold) in ``pipeline``
+    (the pass's defaults without one): the arguments of moeplan.load_model.LoadModel.at after the shard count."""
     from moeplan.passes.place_experts import PlaceExpertsPass
 
     found = [p for p in pipeline.passes if isinstance(p, PlaceExpertsPass)]
-    p = found[0] if found else PlaceExpertsPass()
-    return p.policy, p.replicas
+    return (found[0] if found else PlaceExpertsPass()).placing
 
 
 def pipeline_budget(pipeline: Pipeline, target: Target) -> float:
@@ -374,9 +374,10 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
     _check_fixed(fixed, target, num_devices, graph.spec)
     budget = pipeline_budget(pipeline, target)
     placing = expert_placing(pipeline)
-    if placing[0] != "contiguous" and fixed.load is None:
-        raise PlanError(f"place-experts{{policy={placing[0]}}}: places experts by their load, which needs a load "
-                        f"trace (--expert-load FILE)")
+    if (placing[0] != "contiguous" or placing[2]) and fixed.load is None:
+        what = f"policy={placing[0]}" if placing[0] != "contiguous" else f"rebalance_every={placing[2]}"
+        raise PlanError(f"place-experts{{{what}}}: places experts by their load, which needs a load trace "
+                        f"(--expert-load FILE)")
     built = build_options(graph=graph, target=target, num_devices=num_devices, fixed=fixed, budget=budget,
                           placing=placing)
     options, rejected, layouts = built.options, built.rejected, built.layouts

@@ -136,14 +136,17 @@ class _Args:
 
 def placement_note(plan: Plan, runtime: str) -> str | None:
     """What an export cannot carry of a plan whose experts are placed by their load (docs/load-balance.md §4): the
-    runtimes place routed experts contiguously, so the plan's per-layer placement and the step it predicts with it
-    hold in moeplan's runtime only. None for a contiguous placement."""
+    runtimes place routed experts contiguously and do not rebalance them, so the plan's per-layer placement, its
+    rebalancing and the step it predicts with them hold in moeplan's runtime only. None for a contiguous placement
+    that stays."""
     load = plan.experts.load
-    if load is None or load.policy == "contiguous":
+    if load is None or (load.policy == "contiguous" and load.rebalance is None):
         return None
-    return (f"experts.load.policy={load.policy!r}: {runtime} places the routed experts contiguously; the plan's "
-            f"per-layer placement is not passed and its predicted step assumes it (MindSpeed's own dynamic "
-            f"placement is --enable-expert-placement)")
+    what = (f"experts.load.policy={load.policy!r}" if load.rebalance is None else
+            f"experts.load.rebalance.every={load.rebalance.every}")
+    return (f"{what}: {runtime} places the routed experts contiguously and does not move them; the plan's "
+            f"per-layer placement and rebalancing are not passed and its predicted step assumes them (MindSpeed's "
+            f"own dynamic placement is --enable-expert-placement)")
 
 
 def _precision(plan: Plan, a: _Args) -> None:

@@ -42,6 +42,7 @@ from torch.distributed.distributed_c10d import ProcessGroup, Work
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeplan.files import loads_json
+from moeplan.placement import LayerRebalance
 
 COMM_CLASSES = ("tp", "ep", "cp", "dp", "pp", "other")
 
@@ -384,20 +385,6 @@ def rank_step_from_vector(v: torch.Tensor) -> RankStep:
                     comm_busy_s={k: x for k, x in zip(COMM_CLASSES, vals[d:e]) if x},
                     comm_tier_bytes={k: {t: int(x) for t, x in zip(TIERS, v)} for k, v in zip(COMM_CLASSES, tiers)
                                      if any(v)})
-
-
-@dataclass(frozen=True)
-class LayerRebalance:
-    """One MoE layer at a rebalance (moeplan.runtime.rebalance): the predicted device imbalance (max/mean − 1 of the
-    window's routed token copies per expert rank) under the placement it had and under the planned one, whether the
-    plan was applied (the gain exceeded ``--rebalance-threshold``), the logical experts that changed rank, and the
-    placement from then on (expert-group rank -> logical experts by local slot)."""
-
-    imbalance_before: float
-    imbalance_after: float
-    applied: bool
-    moved: tuple[int, ...]
-    placement: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,13 @@ Every ``N`` steps, after the step's optimizer update and ``zero_grad`` and befor
    into ``[MoE layers of the model, experts]``. Every rank then holds the same counts and plans the same
    placements: the ranks of an expert group, the etp parts of one expert, every expert-DP replica and every PP
    stage, with no further agreement.
-2. **Plan.** Per layer, moeplan.placement.greedy (heaviest expert first to the least-loaded expert rank with a free
-   slot, ``E/n`` slots per rank) on the window's counts, the predicted load of the next window (MindSpeed predicts
-   with an exponential moving average, docs/references.md §3.7; here the last window). A layer's new placement is
-   applied only when the predicted device imbalance (max/mean − 1 of the tokens per expert rank,
-   moeplan.expert_load.imbalance) falls by more than ``threshold`` (absolute). Experts that stay on a rank keep
-   their local slot; the arrivals fill the vacated slots in ascending expert order.
+2. **Plan.** Per layer, moeplan.placement.rebalance_layer: greedy (heaviest expert first to the least-loaded
+   expert rank with a free slot, ``E/n`` slots per rank) on the window's counts, the predicted load of the next
+   window (MindSpeed predicts with an exponential moving average, docs/references.md §3.7; here the last window).
+   A layer's new placement is applied only when the predicted device imbalance (max/mean − 1 of the tokens per
+   expert rank, moeplan.expert_load.imbalance) falls by more than ``threshold`` (absolute). Experts that stay on a
+   rank keep their local slot; the arrivals fill the vacated slots in ascending expert order. moeplan.load_model
+   replays the same decisions over a load trace to price them.
 3. **Migrate** (:func:`migrate`). Each moved expert's ``w1``/``w3``/``w2`` slices (this rank's etp part) and their
    optimizer state — the fp32 master copy and AdamW's ``exp_avg``/``exp_avg_sq`` — go to the new owner in ONE
    ``all_to_all_single`` over the expert group with uneven splits (moeplan.runtime.parallel.all_to_all, the token
@@ -37,9 +38,8 @@ the uninterrupted run would.
 from __future__ import annotations
 
 import time
-from typing import Mapping, Sequence
+from typing import Mapping
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -47,12 +47,11 @@ from torch import nn
 from moeplan.errors import PlanError
 from moeplan.ir import LayerKind
 from moeplan.models import layer_names, parse_layer_name
-from moeplan.expert_load import imbalance, rank_tokens
-from moeplan.placement import greedy
+from moeplan.placement import rebalance_layer
 from moeplan.plan import Plan
 from moeplan.runtime.build import layer_placement
 from moeplan.runtime.expert_parallel import ParallelMoE, take_expert_counts
-from moeplan.runtime.metrics import LayerRebalance, RebalanceRecord
+from moeplan.runtime.metrics import RebalanceRecord
 from moeplan.runtime.optimizer import DistributedAdamW
 from moeplan.runtime.parallel import Link, all_to_all, group_rank
 
@@ -96,31 +95,6 @@ def local_moes(modules: Mapping[int, nn.ModuleDict]) -> dict[str, ParallelMoE]:
                     assert name not in out, f"{name}: two MoE blocks in one layer"
                     out[name] = m
     return out
-
-
-def arrange(before: Placement, planned: Sequence[Sequence[int]]) -> Placement:
-    """The planned expert sets ``planned[r]`` in slot order: an expert that stays on rank ``r`` keeps its slot of
-    ``before``, the arrivals take the vacated slots in ascending expert order. Raises PlanError when a planned set
-    has another size than the rank's slots."""
-    out = []
-    for r, (old, new) in enumerate(zip(before, planned)):
-        if len(old) != len(new):
-            raise PlanError(f"placement[{r}]={list(new)}: must hold {len(old)} experts, as the rank's slots")
-        arrivals = iter(sorted(set(new) - set(old)))
-        out.append(tuple(e if e in new else next(arrivals) for e in old))
-    return tuple(out)
-
-
-def plan_layer(load: Sequence[float], before: Placement, threshold: float) -> LayerRebalance:
-    """One layer's decision from its window ``load [E]`` (token copies per logical expert) and current placement:
-    the greedy placement in ``before``'s slots (:func:`arrange`), applied when it lowers the predicted
-    imbalance by more than ``threshold``. ``placement`` is the layer's placement from now on either way."""
-    planned = arrange(before, greedy(load, len(before)).shards)
-    was, will = (float(imbalance(rank_tokens(np.asarray(load)[None], p))[0]) for p in (before, planned))
-    applied = was - will > threshold
-    moved = tuple(sorted(e for r, s in enumerate(planned) for e in s if e not in before[r])) if applied else ()
-    return LayerRebalance(imbalance_before=was, imbalance_after=will, applied=applied, moved=moved,
-                          placement=planned if applied else before)
 
 
 def migrate(moes: Mapping[str, ParallelMoE], new: Mapping[str, Placement], optimizer: DistributedAdamW,
@@ -207,7 +181,7 @@ class Rebalancer:
         t0 = time.perf_counter()
         window = self._reduced(self.window)
         self.window.zero_()
-        decisions = {n: plan_layer(window[i].double().numpy(), self.placements[n], self.threshold)
+        decisions = {n: rebalance_layer(window[i].double().numpy(), self.placements[n], self.threshold)
                      for i, n in enumerate(self.names)}
         changed = {n: d.placement for n, d in decisions.items() if d.applied}
         t1 = time.perf_counter()

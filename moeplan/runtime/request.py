@@ -58,8 +58,8 @@ class RunRequest(BaseModel):
     no_pin: bool = False
     """On the ``cpu`` backend, leave the ranks free to move between cores (``pin_to_cpu`` is skipped)."""
     rebalance_every: int | None = None
-    """Re-place the routed experts by their measured load every N steps (moeplan.runtime.rebalance); None: never
-    (``--rebalance-every 0``)."""
+    """Re-place the routed experts by their measured load every N steps (moeplan.runtime.rebalance); None or 0:
+    never (0: said so, overriding the plan's ``experts.load.rebalance``)."""
     rebalance_threshold: float | None = None
     """The gain in predicted device imbalance (max/mean − 1, absolute) a layer's new placement must exceed to be
     applied; set exactly when ``rebalance_every`` is."""

@@ -25,7 +25,7 @@ from moeplan.plan import PlanExpertLoad, PlanLayerLoad, save_plan
 from moeplan.runtime.build import layer_placement
 from moeplan.runtime.checkpoint import newest_checkpoint
 from moeplan.runtime.data import stdlib_tokens
-from moeplan.runtime.rebalance import arrange, plan_layer
+from moeplan.placement import arrange, rebalance_layer
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
@@ -161,10 +161,10 @@ def test_greedy_plan_keeps_staying_experts_in_their_slots_and_respects_the_thres
     before = ((0, 1, 2, 3), (4, 5, 6, 7))
     assert arrange(before, [[0, 2, 5, 7], [1, 3, 4, 6]]) == ((0, 5, 2, 7), (4, 1, 6, 3))
     load = [40, 30, 20, 10, 1, 1, 1, 1]  # rank 0 has 100 of 104 tokens: imbalance 100/52 − 1
-    d = plan_layer(load, before, threshold=0.05)
+    d = rebalance_layer(load, before, threshold=0.05)
     assert d.applied and abs(d.imbalance_before - (100 / 52 - 1)) < 1e-12 and d.imbalance_after < 0.1
     assert d.moved and sorted(e for s in d.placement for e in s) == list(range(8))
-    kept = plan_layer(load, before, threshold=d.imbalance_before - d.imbalance_after)  # the gain must exceed it
+    kept = rebalance_layer(load, before, threshold=d.imbalance_before - d.imbalance_after)  # the gain must exceed it
     assert not kept.applied and kept.moved == () and kept.placement == before
 
 
