@@ -7,14 +7,17 @@ moeplan.runtime.metrics.model_state_bytes) and of the saved activations (the pla
 working_set_bytes`` against the peak ``SavedActivationMeter`` measured; the host-swapped bytes too where a plan
 swaps), with their ratios, and a summary: per term the worst ratio and the layouts outside ``--tolerance``.
 
-The runs route tokens to random experts (``--force-balanced-routing``), the balanced routing the plan prices: the
-rows an EP rank holds follow the routing (docs/memory.md §5). Memory does not depend on the machine's speed, so
+The runs route tokens to random experts (``--force-balanced-routing``), the balanced routing a plan without a load
+trace prices: the rows an EP rank holds follow the routing (docs/memory.md §5). ``--natural-routing`` runs the
+model's own router instead; a layout whose routed experts are split over ranks (``ep·tp/etp`` > 1) then first runs
+once with ``--record-load`` and is compiled again with that trace (``--expert-load TRACE``), so that its plan
+prices the busiest rank's rows (docs/load-balance.md §4; the same seed and data route the same way in every run). Memory does not depend on the machine's speed, so
 one short run per layout is enough (the model states are the same from the first step on; the activation peak is
 the median over the steps after the first, as compare takes it). Results: docs/memory.md §8.
 
 Usage::
 
-    python benchmarks/cpu_memory.py [--steps 3] [--only 1dev,pp2] [--workdir DIR] [--json]
+    python benchmarks/cpu_memory.py [--steps 3] [--only 1dev,pp2] [--workdir DIR] [--json] [--natural-routing]
 """
 from __future__ import annotations
 
@@ -56,15 +59,24 @@ TERMS = ("params", "grads", "optimizer", "peak saved activations", "peak swapped
 SHORT = {"peak saved activations": "saved", "peak swapped activations (host)": "host"}
 
 
-def run_layout(name: str, *, workdir: Path, steps: int) -> dict:
+def run_layout(name: str, *, workdir: Path, steps: int, natural: bool = False) -> dict:
     """Compile, run and compare one layout: its plan's layout line and, per PP rank, term -> (predicted, measured).
-    The plan is read as YAML here (the commands are the ones that parse it)."""
+    ``natural``: route with the model's router, the plan priced with the run's load (module docstring). The plan
+    is read as YAML here (the commands are the ones that parse it)."""
     import yaml
 
     plan_path, metrics = workdir / f"{name}.yaml", workdir / f"{name}.jsonl"
     moeplan_cli("compile", "tiny-pangu", "--target", "cpu", *BASE, *LAYOUTS[name], "-o", str(plan_path))
+    routing = () if natural else ("--force-balanced-routing",)
+    if natural and yaml.safe_load(plan_path.read_text())["sharding"]["expert_shards"] > 1:
+        trace = workdir / f"{name}-load.json"
+        trace.unlink(missing_ok=True)
+        moeplan_cli("run", str(plan_path), "--steps", str(steps), "--record-load", str(trace), "--metrics",
+                    str(workdir / f"{name}-record.jsonl"))
+        moeplan_cli("compile", "tiny-pangu", "--target", "cpu", *BASE, *LAYOUTS[name], "--expert-load", str(trace),
+                    "-o", str(plan_path))
     metrics.unlink(missing_ok=True)  # this script's own file: `moeplan run` keeps an earlier run's lines
-    moeplan_cli("run", str(plan_path), "--steps", str(steps), "--metrics", str(metrics), "--force-balanced-routing")
+    moeplan_cli("run", str(plan_path), "--steps", str(steps), "--metrics", str(metrics), *routing)
     rows = {r["quantity"]: r for r in json.loads(moeplan_cli("compare", str(plan_path), str(metrics), "--json"))}
     plan = yaml.safe_load(plan_path.read_text())
     lay = plan["layout"]
@@ -129,6 +141,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, help="keep plans and metrics here (default: a temporary directory)")
     ap.add_argument("--tolerance", type=float, default=0.10)
     ap.add_argument("--json", action="store_true", help="one JSON line per layout instead of the table")
+    ap.add_argument("--natural-routing", action="store_true", help="route with the model's router, each EP "
+                                                                   "layout priced with its recorded load")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(LAYOUTS)
     unknown = [n for n in names if n not in LAYOUTS]
@@ -139,7 +153,7 @@ def main() -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         results = []
         for name in names:
-            res = run_layout(name, workdir=workdir, steps=args.steps)
+            res = run_layout(name, workdir=workdir, steps=args.steps, natural=args.natural_routing)
             results.append(res)
             if args.json:
                 print(json.dumps(res), flush=True)

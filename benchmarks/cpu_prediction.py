@@ -22,10 +22,13 @@ Usage::
     moeplan calibrate --target cpu --fit-model tiny-pangu -o cal.yaml      # once per machine
     python benchmarks/cpu_prediction.py --target cal.yaml [--steps 20] [--rounds 3] [--only pp2,dp2] [--workdir DIR]
 
-The runs route tokens to random experts (``--force-balanced-routing``) because the plan prices balanced routing:
-the routing of an untrained tiny-pangu is not balanced, so at EP 2 one rank's experts get more tokens and the
-other rank waits for it at every all-to-all, which the plan does not model. ``--natural-routing`` measures with
-the model's own router instead.
+By default the runs route tokens to random experts (``--force-balanced-routing``), the balanced routing a plan
+without a load trace prices. ``--natural-routing`` measures with the model's own router instead, whose choices
+are not balanced: at EP 2 one rank's experts get more tokens and the other rank waits for it at every
+all-to-all. Each layout whose routed experts are split over more than one rank (``ep·tp/etp`` > 1) then first
+runs once with ``--record-load`` and is compiled again with that trace (``--expert-load TRACE
+--expert-load-window 4:STEPS``, the steps the comparison uses), so that its plan prices the load its runs will
+see (the same seed and data route the same way in every run; docs/load-balance.md §4).
 
 Timings are only meaningful on a quiet machine: each emulated device is one single-threaded process. With
 ``--fit-model tiny-pangu`` the calibration's forward and backward launch scales are fitted on ``1dev-mb1`` (a
@@ -62,6 +65,23 @@ def compile_layout(name: str, *, target: str, workdir: Path) -> Path:
     moeplan_cli("compile", "tiny-pangu", "--target", target, "--global-batch", "8", "--seq-len", "64", *LAYOUTS[name],
                 "-o", str(plan))
     return plan
+
+
+def price_load(name: str, plan: Path, *, target: str, workdir: Path, steps: int) -> Path:
+    """With natural routing: ``plan`` compiled again with the load trace of one run of it, when its routed experts
+    are split over ranks (module docstring); else ``plan``."""
+    from moeplan.plan import load_plan
+
+    if load_plan(plan).layout.expert_shards < 2:
+        return plan
+    trace = workdir / f"{name}-load.json"
+    trace.unlink(missing_ok=True)
+    moeplan_cli("run", str(plan), "--steps", str(steps), "--meter-every", "5", "--metrics",
+                str(workdir / f"{name}-record.jsonl"), "--record-load", str(trace))
+    priced = workdir / f"{name}-load.yaml"
+    moeplan_cli("compile", "tiny-pangu", "--target", target, "--global-batch", "8", "--seq-len", "64",
+                *LAYOUTS[name], "--expert-load", str(trace), "--expert-load-window", f"4:{steps}", "-o", str(priced))
+    return priced
 
 
 def measure(plan: Path, metrics: Path, *, steps: int, balanced: bool) -> dict[str, dict]:
@@ -115,6 +135,9 @@ def main() -> None:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         plans = {n: compile_layout(n, target=args.target, workdir=workdir) for n in names}
+        if args.natural_routing:
+            plans = {n: price_load(n, p, target=args.target, workdir=workdir, steps=args.steps)
+                     for n, p in plans.items()}
         runs: dict[str, list[dict[str, dict]]] = {n: [] for n in names}
         for k in range(args.rounds):
             for name in names:
