@@ -12,11 +12,11 @@ Between two steps, every N steps, the runtime (moeplan.runtime.rebalance) does t
    ``all_to_all_time_s(bytes = S·n/(n−1), group = n)`` (that function's ``bytes`` is a send buffer spread over
    all ``n`` members, ``(n−1)/n`` of it leaving the rank).
 
-Not priced: planning the placements (the greedy of every layer, CPU-side; about a millisecond for tiny-pangu's
-4 layers in the runtime's records), the two 16-byte all-reduces that gather the record's times and bytes, and,
-with expert-DP > 1 and the distributed optimizer, the all-gather of the changed layers' optimizer shards over
-expert-DP that the runtime does before sending (moeplan.runtime.optimizer.DistributedAdamW.unsharded_states).
-The runtime's rows are fp32 whatever the training dtype; this prices the plan's dtypes.
+Not priced: planning the placements (the greedy of every layer, CPU-side), the two 16-byte all-reduces that
+gather the record's times and bytes, and, with expert-DP > 1 and the distributed optimizer, the all-gather of the
+changed layers' optimizer shards over expert-DP that the runtime does before sending
+(moeplan.runtime.optimizer.DistributedAdamW.unsharded_states). The runtime's rows are fp32 whatever the training
+dtype; this prices the plan's dtypes.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from moeplan.cost_models.comm import all_to_all_time_s, collective_time_s, group_tier
+from moeplan.cost_models.layer_program import expert_group
 from moeplan.cost_models.memory import state_bytes_per_param
 from moeplan.layout import Layout
 from moeplan.spec import ModelSpec
@@ -64,7 +65,7 @@ def rebalance_cost(*, spec: ModelSpec, layout: Layout, target: Target, precision
     axis, of the traced MoE layers on PP rank ``s``; ``sent``/``received`` ``[layers, ranks]``: the experts each
     expert-group rank sends and receives in each layer. Raises ValueError for a layout without an expert group
     of at least two ranks."""
-    n, stride = layout.expert_shards, 1 if layout.tp_extend_ep else layout.tp
+    n, stride = expert_group(layout)
     if n < 2:
         raise ValueError(f"expert_shards={n}: rebalancing needs an expert group of at least 2 ranks")
     per_expert = expert_state_bytes(spec, layout, target, precision)
