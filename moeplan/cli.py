@@ -132,6 +132,7 @@ def compile_cmd(
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary instead of tables"),
 ) -> None:
     """Compile MODEL for DEVICES devices of TARGET into a plan."""
+    from moeplan.cli_progress import SearchStatus
     from moeplan.compile import compile_model
     from moeplan.compiler import DEFAULT_PIPELINE, Pipeline
     from moeplan.files import check_output
@@ -181,9 +182,10 @@ def compile_cmd(
                               f"device memory of {tgt.name} ({tgt.memory_bytes / 2**30:.1f} GiB)")
         pipe = pipe.with_option("plan-memory", "budget_gib", memory_budget)
     check_pipeline(pipe)
-    res = compile_model(spec=spec, target=tgt, num_devices=devices, fixed=fixed,
-                        pipeline=pipe, candidates=None if exact else max(candidates, top),
-                        keep=top)
+    with SearchStatus(err) as status:  # on stderr: what the search is doing, once it runs for a second
+        res = compile_model(spec=spec, target=tgt, num_devices=devices, fixed=fixed,
+                            pipeline=pipe, candidates=None if exact else max(candidates, top),
+                            keep=top, progress=status)
     if output:
         save_plan(res.plan, output)
     sources = shape_sources(model, seq_len=seq_len, global_batch=global_batch)

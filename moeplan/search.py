@@ -50,7 +50,8 @@ from moeplan.load_model import LoadModel
 from moeplan.mechanisms import mechanism
 from moeplan.passes.schedule import schedule_fits
 from moeplan.runtimes import RUNTIMES, Setup
-from moeplan.search_eval import _SHARED, Evaluated, _estimate_all, _estimate_and_evaluate, _lean, _Pool, _shape_tasks
+from moeplan.search_eval import (_SHARED, Evaluated, Progress, _estimate_all, _estimate_and_evaluate, _lean, _Pool,
+                                 _shape_tasks)
 from moeplan.spec import ModelSpec
 from moeplan.state import Dispatcher, Mechanism, Precision, ScheduleKind, Strategy
 from moeplan.targets import Target
@@ -363,10 +364,12 @@ def rank_by_estimate(*, graph: ModelGraph, target: Target, options: list[tuple[L
 
 
 def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed, pipeline: Pipeline,
-           candidates: int | None = 4, workers: int | None = None, keep: int = 1) -> SearchResult:
+           candidates: int | None = 4, workers: int | None = None, keep: int = 1,
+           progress: Progress | None = None) -> SearchResult:
     """Find the fastest layouts; see the module docstring. ``candidates``: how many of the best estimates go through
     the full pipeline; None: every option whose lower bound is below the ``keep``-th best step found (exact).
-    ``keep``: how many of the evaluated ones the result holds whole (the rest are counted, not kept). Raises
+    ``keep``: how many of the evaluated ones the result holds whole (the rest are counted, not kept).
+    ``progress``: called with a moeplan.search_eval.SearchProgress as the search goes, in this process. Raises
     PlanError if the pipeline cannot make a plan (:func:`check_pipeline`), LayoutError if no layout is valid (the
     most common reason, with the counts of the others), and InfeasibleError (with the smallest per-device memory
     seen) if every valid layout runs out of memory."""
@@ -392,7 +395,7 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
     _SHARED["load"] = fixed.load
     try:
         out = _estimate_and_evaluate(options, slots, weights, target, pipeline, candidates, workers, keep,
-                                     auto_overlap=fixed.overlap is None)
+                                     auto_overlap=fixed.overlap is None, progress=progress)
     finally:
         _SHARED.clear()
     rejected.update(r.reason for r in out.refused)

@@ -16,7 +16,7 @@ from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Literal
 
 from moeplan.bounds import SPLIT_BACKWARD, PieceSums, floors, layout_bound, piece_sums, plan_bound
 from moeplan.compiler import Pipeline, run_pipeline
@@ -91,31 +91,62 @@ def _estimate_all(pool: "_Pool", tasks: list[list[tuple[Layout, Strategy, tuple[
     return scored
 
 
+@dataclass(frozen=True)
+class SearchProgress:
+    """Where a running search stands (``search(progress=…)``): ``phase`` ``estimate`` (every option priced in
+    closed form) or ``simulate`` (the best ones through the full pipeline); ``options`` to search, how many the
+    full pipeline ``simulated`` (or refused) so far and how many a lower bound ``pruned``, of ``to_simulate``
+    chosen so far, and the best step simulated so far (``inf`` before the first), seconds."""
+
+    phase: Literal["estimate", "simulate"]
+    options: int
+    simulated: int = 0
+    pruned: int = 0
+    to_simulate: int = 0
+    best_s: float = float("inf")
+
+
+Progress = Callable[[SearchProgress], None]
+
+
 def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, float]]], slots: list[LayerKind],
                            weights: tuple[float, ...], target: Target, pipeline: Pipeline, candidates: int | None,
-                           workers: int | None, keep: int, *, auto_overlap: bool) -> _Outcome:
+                           workers: int | None, keep: int, *, auto_overlap: bool,
+                           progress: Progress | None = None) -> _Outcome:
     """Steps 4–6 of the module docstring in one pool of worker processes: the options of one layer-cost shape
     (:func:`_shape_key`) are priced, estimated and bounded together; the best estimates go through the full
     pipeline, then the follow-ups (:func:`_follow_ups`) or (``candidates=None``) every option whose bound is below
     the best step found, in bound order. The ``keep`` fastest evaluated are held whole, the others dropped as they
     arrive (memory does not grow with the number evaluated). What is sent depends only on results, never on the
-    order they arrive in: the same plan for any number of workers."""
+    order they arrive in: the same plan for any number of workers. ``progress`` is called as it goes
+    (:class:`SearchProgress`), in this process."""
     tasks = _shape_tasks(options, slots, weights)
     out = _Outcome(keep)
+    told = progress or (lambda _: None)
+    planned = 0
+
+    def tell() -> None:
+        told(SearchProgress("simulate", len(options), out.sent, out.pruned, planned, out.best_s))
+
+    told(SearchProgress("estimate", len(options)))
     with _Pool(workers) as pool:
         scored = _estimate_all(pool, tasks)
         first = scored[:candidates if candidates is not None else max(keep, 4)]
         rest = scored[len(first):]
         del scored
+        planned = len(first)
+        tell()
         # the first ones are simulated in full, whatever arrives first: what they measure decides the follow-ups
         for (est, _, _, st), r in zip(first, pool.imap(_evaluate, [(lay, st, pipeline, auto_overlap, float("inf"))
                                                                      for _, _, lay, st in first])):
             out.add(r, est[1], _estimate_class(st))
+            tell()
         if candidates is None:  # exact: in bound order; none of the rest can beat the best once a bound does not
             then, left = sorted(rest, key=lambda x: x[1]), []
         else:
             then, left = _follow_ups(rest, out, limit=candidates)
         del rest
+        planned += len(then)
         sent: deque[tuple[float, tuple[str, bool]]] = deque()  # (estimate, class) of each option in flight
 
         def sends() -> Iterator[tuple[Layout, Strategy, str, bool, float]]:
@@ -132,9 +163,11 @@ def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, fl
         for r in pool.imap(_evaluate, sends()):
             est, cls = sent.popleft()
             out.add(r, est, cls)
+            tell()
         # the rest stay unsimulated: the least bound of those that could win
         out.pruned += sum(1 for x in left if x[1] >= out.beat_s)
         out.bound_s = min((x[1] for x in left if x[1] < out.beat_s), default=float("inf"))
+    tell()
     return out
 
 
@@ -179,6 +212,11 @@ class _Outcome:
         """The step an option must beat to enter the ``keep`` fastest: the slowest of them once there are
         ``keep``, else ``inf``."""
         return -self.best[0][0] if len(self.best) >= self.keep else float("inf")
+
+    @property
+    def best_s(self) -> float:
+        """The fastest step simulated so far, seconds (``inf`` before the first)."""
+        return min((-b[0] for b in self.best), default=float("inf"))
 
     def ratio(self, cls: tuple[str, bool]) -> float:
         """The least simulated-over-estimated step seen in ``cls``; 1 (the estimate as it is) while it has none."""
