@@ -211,14 +211,31 @@ def search_summary(result: SearchResult) -> str:
             f"{result.num_pruned} pruned by a lower bound; ")
     if result.gap <= 0:
         return head + "the plan is the optimum under the cost model (no option left can beat it)"
-    return head + (f"the options left are bounded below by {result.bound_s:.3f} s: the plan is within "
-                   f"{result.gap:.1%} of the optimum (--exact proves it)")
+    line = head + (f"{result.num_open} options left unsimulated have a lower bound below this plan's step (the "
+                   f"least {result.bound_s:.3f} s), so one of them could be up to {result.gap:.1%} faster")
+    if result.simulation_s > 0:
+        cost = result.num_open * result.simulation_s / result.workers
+        line += (f"; --exact settles it by simulating at most those, about {duration_text(cost)} at "
+                 f"{result.simulation_s:.2g} s each on {result.workers} worker{'s' if result.workers > 1 else ''}")
+    else:
+        line += "; --exact settles it by simulating them"
+    return line
+
+
+def duration_text(seconds: float) -> str:
+    """A duration for a person: ``45 s`` (at least ``1 s``), ``12 min``, ``3.2 h``."""
+    if seconds < 90:
+        return f"{max(seconds, 1):.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def search_dict(result: SearchResult) -> dict:
     """The search's counts and bound for ``--json``."""
     return {"options": result.num_options, "evaluated": result.num_evaluated, "pruned": result.num_pruned,
-            "bound_s": None if result.bound_s == float("inf") else result.bound_s, "gap": max(0.0, result.gap)}
+            "bound_s": None if result.bound_s == float("inf") else result.bound_s, "gap": max(0.0, result.gap),
+            "open": result.num_open, "simulation_s": result.simulation_s}
 
 
 def models_rows() -> list[dict]:

@@ -93,7 +93,9 @@ class SearchResult:
     strategy) options there were, how many the full pipeline simulated or refused (``num_evaluated``) and how many
     were pruned (never simulated: their lower bound was not below the step to beat then), and ``bound_s``: the
     least lower bound of the options left unsimulated and unpruned (``inf`` when none is left: then the best is the
-    optimum of the whole space under the cost model)."""
+    optimum of the whole space under the cost model), ``num_open`` how many such options there are (what
+    ``--exact`` would have to simulate, at most), ``simulation_s`` the mean seconds one option took through the
+    full pipeline in this search (0 when none was simulated to the end) and ``workers`` the processes it ran in."""
 
     ranked: tuple[Evaluated, ...]
     rejected: Counter  # Rejection.reason (a code of moeplan.layout.REASONS) -> count
@@ -102,6 +104,9 @@ class SearchResult:
     num_options: int = 0
     num_pruned: int = 0
     bound_s: float = float("inf")
+    num_open: int = 0
+    simulation_s: float = 0.0
+    workers: int = 1
 
     @property
     def gap(self) -> float:
@@ -404,7 +409,9 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
         _raise_infeasible(budget, built.examples.get("model-states"), layouts, out.refused)
     return SearchResult(ranked=tuple(ranked), rejected=rejected, num_enumerated=len(layouts),
                         num_evaluated=out.sent, num_options=len(options), num_pruned=out.pruned,
-                        bound_s=out.bound_s)
+                        bound_s=out.bound_s, num_open=out.open,
+                        simulation_s=out.evaluated_s / out.simulated if out.simulated else 0.0,
+                        workers=_Pool(workers).workers)
 
 
 def _none_valid(layouts: list[Layout], rejected: Counter, examples: dict[str, Rejection]) -> LayoutError:

@@ -167,6 +167,7 @@ def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, fl
         # the rest stay unsimulated: the least bound of those that could win
         out.pruned += sum(1 for x in left if x[1] >= out.beat_s)
         out.bound_s = min((x[1] for x in left if x[1] < out.beat_s), default=float("inf"))
+        out.open = sum(1 for x in left if x[1] < out.beat_s)
     tell()
     return out
 
@@ -197,7 +198,8 @@ def _follow_ups(rest: list[tuple[tuple[bool, float], float, Layout, Strategy]], 
 class _Outcome:
     """What the evaluation loop has so far: the ``keep`` fastest (a heap whose top is the slowest of them), the
     refusals, how many options the full pipeline simulated or refused (``sent``) and how many a bound pruned (before
-    or inside the pipeline), and the least bound left."""
+    or inside the pipeline), the least bound left and how many options have a bound below the step to beat
+    (``open``), and the seconds the full pipeline took over the plans it simulated to the end."""
 
     keep: int
     best: list[tuple[float, int, Evaluated]] = field(default_factory=list)
@@ -205,6 +207,9 @@ class _Outcome:
     sent: int = 0
     pruned: int = 0
     bound_s: float = float("inf")
+    open: int = 0  # options left unsimulated whose bound is below the step to beat
+    evaluated_s: float = 0.0  # seconds the full pipeline took over the plans it simulated (in the workers)
+    simulated: int = 0  # plans it simulated
     ratios: dict[tuple[str, bool], float] = field(default_factory=dict)  # per estimate class: :meth:`ratio`
 
     @property
@@ -233,6 +238,8 @@ class _Outcome:
         elif isinstance(r, Pruned):
             self.pruned += 1
         else:
+            self.simulated += 1
+            self.evaluated_s += sum(t for _, t in r.pass_s)
             item = (-r.state.prediction.step_time_s, -self.sent, r)  # type: ignore[union-attr]
             if len(self.best) < self.keep:
                 heapq.heappush(self.best, item)

@@ -94,6 +94,33 @@ def test_compile_reports_the_bound_and_exact_proves_the_optimum(tmp_path):
     if d["bound_s"] is not None:  # some option is left that the bound cannot rule out
         assert d["bound_s"] <= exact["predicted"]["step_time_s"]
         assert d["gap"] == pytest.approx(default["predicted"]["step_time_s"] / d["bound_s"] - 1)
+    # every option is simulated (or refused), pruned, or left open; the exact search leaves none open
+    for x in (d, e):
+        assert x["evaluated"] + x["pruned"] + x["open"] == x["options"] and x["simulation_s"] > 0
+    assert e["open"] == 0 and (d["open"] > 0) == (d["bound_s"] is not None)
+
+
+def test_the_closing_line_says_what_is_left_and_what_exact_would_cost():
+    from collections import Counter
+
+    from moeplan.render import duration_text, search_summary
+    from moeplan.search import SearchResult
+
+    class Best:  # the one figure the line reads of the best plan
+        class state:
+            class prediction:
+                step_time_s = 8.0
+
+    left = SearchResult(ranked=(Best,), rejected=Counter(), num_enumerated=9, num_evaluated=5, num_options=100,
+                        num_pruned=60, bound_s=5.0, num_open=35, simulation_s=4.0, workers=2)
+    assert search_summary(left).endswith(  # type: ignore[arg-type]
+        "35 options left unsimulated have a lower bound below this plan's step (the least 5.000 s), so one of them "
+        "could be up to 60.0% faster; --exact settles it by simulating at most those, about 70 s at 4 s each on 2 "
+        "workers")
+    done = SearchResult(ranked=(Best,), rejected=Counter(), num_enumerated=9, num_evaluated=5, num_options=100,
+                        num_pruned=95)  # type: ignore[arg-type]
+    assert search_summary(done).endswith("the plan is the optimum under the cost model (no option left can beat it)")
+    assert [duration_text(x) for x in (0.2, 70, 700, 30000)] == ["1 s", "70 s", "12 min", "8.3 h"]
 
 
 def test_water_level():
