@@ -84,14 +84,14 @@ def _plan_decisions(d: GroupChoice) -> PlanLayerDecisions:
 def _plan_rebalance(st: PlanState) -> PlanRebalance | None:
     """The priced rebalances of the state's load (cost_models/rebalance.py); None when the placement stays."""
     from moeplan.cost_models.rebalance import rebalance_cost
+    from moeplan.expert_load import moe_layer_name
 
     placed, model = st.experts.load, st.load  # type: ignore[union-attr]
     r = placed.rebalancing  # type: ignore[union-attr]
     if r is None:
         return None
     spec = st.graph.spec
-    names = [f"layers.{i}" if i < spec.num_layers else f"mtp.{i - spec.num_layers}"
-             for i in model.trace.layers]  # type: ignore[union-attr]
+    names = [moe_layer_name(spec, i) for i in model.trace.layers]  # type: ignore[union-attr]
     stage_layers = [[j for j, name in enumerate(names) if any(name in chunk for chunk in rank)]
                     for rank in st.stages.chunks]  # type: ignore[union-attr]
     costs = [rebalance_cost(spec=spec, layout=st.layout, target=st.target, precision=st.strategy.precision,

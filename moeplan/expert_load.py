@@ -103,6 +103,12 @@ def moe_layers(spec: ModelSpec) -> tuple[int, ...]:
             *range(spec.num_layers, spec.num_layers + spec.num_mtp_layers))
 
 
+def moe_layer_name(spec: ModelSpec, layer: int) -> str:
+    """The model's name (moeplan.models.layer_names) of the MoE layer at decoder-layer index ``layer``
+    (:func:`moe_layers`): ``layers.i``, or ``mtp.j`` for the MTP block's layer ``num_layers + j``."""
+    return f"layers.{layer}" if layer < spec.num_layers else f"mtp.{layer - spec.num_layers}"
+
+
 def _span(a: int, b: int) -> str:
     return str(a) if a == b else f"{a}–{b}"
 

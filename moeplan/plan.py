@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Callable, ClassVar, Literal, Sequence
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PrivateAttr,
@@ -48,6 +48,21 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
+class _Sparse(_Frozen):
+    """A plan section whose fields named in ``unwritten`` are left out of the file while they hold the value given
+    there (what a plan meant before the field existed), so that plans without the feature stay byte for byte."""
+
+    unwritten: ClassVar[dict[str, object]] = {}
+
+    @model_serializer(mode="wrap")
+    def _defaults_unwritten(self, handler):  # noqa: ANN001, ANN202
+        doc = handler(self)
+        for key, value in self.unwritten.items():
+            if key in doc and doc[key] == value:
+                del doc[key]
+        return doc
+
+
 class PlanModel(_Frozen):
     """The model the plan trains."""
 
@@ -59,7 +74,7 @@ class PlanModel(_Frozen):
     """The model's architecture and training shape."""
 
 
-class PlanLayout(_Frozen):
+class PlanLayout(_Sparse):
     """The parallel layout: how the devices are split (docs/architecture.md §4, "Layout search")."""
 
     tp: int = Field(ge=1)
@@ -100,13 +115,7 @@ class PlanLayout(_Frozen):
     """With EPLB's replicas: routed-expert parameters per device over the unreplicated share; written only when
     not 1."""
 
-    @model_serializer(mode="wrap")
-    def _balanced_unwritten(self, handler):  # noqa: ANN001, ANN202
-        doc = handler(self)
-        for key in ("expert_load", "expert_replication"):
-            if doc.get(key) == 1.0:
-                del doc[key]
-        return doc
+    unwritten: ClassVar[dict[str, object]] = {"expert_load": 1.0, "expert_replication": 1.0}
 
     def as_layout(self) -> Layout:
         """The compiler's :class:`moeplan.layout.Layout` of these degrees (its derived figures live there)."""
@@ -252,7 +261,7 @@ class PlanRebalance(_Frozen):
     """The rebalances' seconds spread over the window's steps: what rebalancing adds to each step."""
 
 
-class PlanExpertLoad(_Frozen):
+class PlanExpertLoad(_Sparse):
     """The load trace a plan is priced with and what it means for the placement (docs/load-balance.md)."""
 
     trace: str
@@ -272,16 +281,10 @@ class PlanExpertLoad(_Frozen):
     ``rebalance``, ``shards`` is where a run starts and the imbalance is the replayed run's."""
     rebalance: PlanRebalance | None = None
     """Rebalancing while training; absent: the placement stays for the whole run."""
-
-    @model_serializer(mode="wrap")
-    def _static_unwritten(self, handler):  # noqa: ANN001, ANN202
-        doc = handler(self)
-        if doc.get("rebalance") is None:
-            doc.pop("rebalance", None)
-        return doc
+    unwritten: ClassVar[dict[str, object]] = {"rebalance": None}
 
 
-class PlanExperts(_Frozen):
+class PlanExperts(_Sparse):
     """Placement of the routed experts."""
 
     shards: list[list[int]]
@@ -292,13 +295,7 @@ class PlanExperts(_Frozen):
     load: PlanExpertLoad | None = None
     """The load trace and each layer's placement; absent: the plan assumes balanced routing (every expert gets
     ``T·top_k/E`` tokens), as without ``--expert-load``."""
-
-    @model_serializer(mode="wrap")
-    def _balanced_unwritten(self, handler):  # noqa: ANN001, ANN202
-        doc = handler(self)
-        if doc.get("load") is None:
-            doc.pop("load", None)
-        return doc
+    unwritten: ClassVar[dict[str, object]] = {"load": None}
 
     def layer_shards(self, layer: int) -> list[list[int]]:
         """The placement of the MoE layer at decoder-layer index ``layer`` (the MTP block's ``j``-th layer is

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from moeplan.errors import MoeplanError
-from moeplan.expert_load import LoadTrace, moe_layers, read_trace, write_trace
+from moeplan.expert_load import LoadTrace, moe_layer_name, moe_layers, read_trace, write_trace
 from moeplan.plan import Plan
 from moeplan.runtime.request import RunRequest
 
@@ -55,8 +55,7 @@ class LoadRecorder:
         spec = plan.model.spec
         self.path, self.device = request.record_load, device
         self.layers = moe_layers(spec)
-        self.row = {(f"layers.{i}" if i < spec.num_layers else f"mtp.{i - spec.num_layers}"): r
-                    for r, i in enumerate(self.layers)}
+        self.row = {moe_layer_name(spec, i): r for r, i in enumerate(self.layers)}
         self.num_experts = spec.num_experts
         self.writer = dist.get_rank() == 0
         self.base = LoadTrace(model=plan.model.name, num_experts=spec.num_experts, layers=self.layers, steps=(),
