@@ -34,6 +34,7 @@ Each target figure carries its source in its YAML file and in docs/targets.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from operator import attrgetter, mul, sub
 from typing import Iterable, Mapping, Sequence
 
@@ -155,6 +156,13 @@ def activation_peak(vectors: Sequence[Sequence[int]], chunk_bytes: Sequence[floa
         if b > best or (b == best and sum(v) > count):
             best, count = b, sum(v)
     return best, count
+
+
+@lru_cache(maxsize=1 << 16)
+def _peak_bytes(vectors: tuple[tuple[int, ...], ...], chunk_bytes: tuple[float, ...]) -> float:
+    """:func:`activation_peak`'s bytes, kept per arguments: the layout search asks it of the same in-flight vectors
+    and chunk bytes for many layouts (moeplan/estimate.py)."""
+    return activation_peak(vectors, chunk_bytes)[0]
 
 
 def communicator_groups(layout: Layout) -> dict[str, int]:
@@ -355,7 +363,7 @@ class RankParts:
 
     def total(self, vectors: Sequence[Sequence[int]], mode: Recompute, over: Overheads) -> float:
         """:meth:`memory`'s ``total_bytes``, without building it."""
-        act = activation_peak(vectors, self.chunk_bytes[mode])[0]
+        act = _peak_bytes(vectors, self.chunk_bytes[mode])  # type: ignore[arg-type]
         transient = act + self.working[mode] + self.workspace + self.gathered
         return (self.states.total_bytes + transient + over.comm_buffer_bytes + over.runtime_bytes
                 + over.allocator_bytes(transient))

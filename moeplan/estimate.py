@@ -199,14 +199,19 @@ def _split_kinds(kinds: tuple[LayerKind, ...], times: tuple[float, ...], pp: int
     return tuple(out)
 
 
+def memory_modes(strategy: Strategy) -> tuple[str, ...]:
+    """The whole-layer modes :func:`estimate_memory` tries for ``strategy``'s recompute choice, cheapest first."""
+    return {"auto": MODES, "ilp": MODES, "ilp-no-swap": MODES, "mindspeed": ("selective",),
+            "modules": ("selective",)}.get(strategy.recompute, (strategy.recompute,))
+
+
 def estimate_memory(layout: Layout, strategy: Strategy, cost: ModelCost, *, kinds: tuple[LayerKind, ...],
                     target: Target, budget: float, hidden_size: int) -> MemoryEstimate:
     """Every PP rank's memory as ``plan-memory`` prices it (cost_models/memory.py), on the stage split the
     partition pass makes and the schedule pass's action lists, under the cheapest whole-layer mode that fits
     ``budget`` (per-tensor modes are estimated by the whole-layer modes: ``mindspeed`` by ``selective``, the ILP
     modes by any of them; the pass decides)."""
-    modes = {"auto": MODES, "ilp": MODES, "ilp-no-swap": MODES, "mindspeed": ("selective",),
-             "modules": ("selective",)}.get(strategy.recompute, (strategy.recompute,))
+    modes = memory_modes(strategy)
     stages = _stage_kinds(layout, strategy, cost, kinds)
     fb = "fb" in strategy.overlap
     vectors = in_flight_by_rank(strategy.schedule, pp=layout.pp, vpp=layout.vpp,
@@ -316,6 +321,20 @@ def estimate_step(layout: Layout, strategy: Strategy, cost: ModelCost, *, weight
         windows = drain_windows(kind, pp=pp, vpp=vpp, chunk_backward_s=(i + w) / vpp)
         tail += exposed_reduce_scatter_s(rs_chunk, [x * (1 - taken) for x in windows])
     return Estimate(step_s=work + bubble + tail, recompute=mode, fits=memory.fits, memory_bytes=memory.peak_bytes)
+
+
+def estimate_floor(layout: Layout, strategy: Strategy, cost: ModelCost, *, params: tuple[float, float],
+                   target: Target) -> float:
+    """Seconds no :func:`estimate_step` of this (layout, strategy) can be below, whatever its stage split and memory
+    estimate: the estimate with ``load=1`` (the busiest rank computes the balanced share) under the mode of
+    :func:`memory_modes` that redoes the least. The estimate never decreases with the load nor with the forward
+    work redone (:func:`estimate_step`), so this is a floor without the stage split and the memory estimate, most
+    of an estimate's cost: the search estimates in full only the options whose floor could put them among those
+    it simulates (moeplan/search_eval.py)."""
+    mode = min(memory_modes(strategy), key=cost.recompute_s.__getitem__)
+    floor = MemoryEstimate(parts=(), over=Overheads(0.0, 0.0, 0.0), fits=True, peak_bytes=0.0, recompute=mode)
+    return estimate_step(layout, strategy, cost, weights=(), slots=(), params=params, target=target, memory=floor,
+                         load=1.0).step_s
 
 
 def drain_windows(kind: ScheduleKind, *, pp: int, vpp: int, chunk_backward_s: float) -> list[float]:

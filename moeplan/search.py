@@ -14,7 +14,8 @@
    backward and overlapped forward-backward pair priced on an idle rank by the timeline, the recompute mode the
    memory estimate needs, the slowest chunk of the best stage split, the schedule's bubble and the DP and optimizer
    tail (docs/step-model.md §4); and a lower bound no plan of the option can beat (moeplan/bounds.py,
-   docs/step-model.md §7).
+   docs/step-model.md §7). Only the options whose estimate floor (:func:`moeplan.estimate.estimate_floor`) could
+   put them among those step 5 simulates are estimated in full: the same choice as estimating them all.
 5. **Evaluate** the ``candidates`` best estimates (those whose memory estimate fits first) with the full pipeline
    in parallel processes and rank them by simulated step time, holding only the ``keep`` fastest whole (memory does
    not grow with the number evaluated). Their simulated steps over their estimates measure how far the estimate is

@@ -1,6 +1,7 @@
 """Steps 4–6 of the layout search (moeplan/search.py, whose module docstring describes them): the options grouped
-by layer-cost shape (:func:`_shape_key`) are estimated and bounded in closed form in worker processes
-(:func:`_estimate_shape`, :func:`_estimate_all`); the best estimates, the follow-ups (:func:`_follow_ups`) or, for an
+by layer-cost shape (:func:`_shape_key`) are floored and bounded in closed form in worker processes, and estimated
+where their floor could make them count (:func:`_floor_shape`, :func:`_estimate_shape`, :class:`_Screen`; every
+option for an exact search and :func:`_estimate_all`); the best estimates, the follow-ups (:func:`_follow_ups`) or, for an
 exact search, every option whose bound is below the best step go through the full pipeline (:func:`_evaluate`,
 :func:`_estimate_and_evaluate`), which keeps the fastest (:class:`_Outcome`). Here too: what the workers read
 (``_SHARED``, set before they fork) and the pool of forked workers (:class:`_Pool`), and what evaluating an option
@@ -23,7 +24,7 @@ from moeplan.compiler import Pipeline, run_pipeline
 from moeplan.cost_models.step import norm_s
 from moeplan.cost_models.timeline import StepExceeded
 from moeplan.errors import InfeasibleError, LayoutError
-from moeplan.estimate import ModelCost, estimate_memory, estimate_step, layer_prices, model_cost
+from moeplan.estimate import ModelCost, estimate_floor, estimate_memory, estimate_step, layer_prices, model_cost
 from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout, Rejection
 from moeplan.mechanisms import FB_PAIRED
@@ -114,7 +115,8 @@ def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, fl
                            workers: int | None, keep: int, *, auto_overlap: bool,
                            progress: Progress | None = None) -> _Outcome:
     """Steps 4–6 of the module docstring in one pool of worker processes: the options of one layer-cost shape
-    (:func:`_shape_key`) are priced, estimated and bounded together; the best estimates go through the full
+    (:func:`_shape_key`) are priced, floored, bounded and, where needed, estimated together (:class:`_Screen`); the
+    best estimates go through the full
     pipeline, then the follow-ups (:func:`_follow_ups`) or (``candidates=None``) every option whose bound is below
     the best step found, in bound order. The ``keep`` fastest evaluated are held whole, the others dropped as they
     arrive (memory does not grow with the number evaluated). What is sent depends only on results, never on the
@@ -130,10 +132,9 @@ def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, fl
 
     told(SearchProgress("estimate", len(options)))
     with _Pool(workers) as pool:
-        scored = _estimate_all(pool, tasks)
-        first = scored[:candidates if candidates is not None else max(keep, 4)]
-        rest = scored[len(first):]
-        del scored
+        screen = _Screen(pool, tasks)
+        order = screen.ranked() if candidates is None else screen.best(candidates)  # exact: every estimate
+        first = [screen.item(i) for i in order[:candidates if candidates is not None else max(keep, 4)]]
         planned = len(first)
         tell()
         # the first ones are simulated in full, whatever arrives first: what they measure decides the follow-ups
@@ -142,10 +143,11 @@ def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, fl
             out.add(r, est[1], _estimate_class(st))
             tell()
         if candidates is None:  # exact: in bound order; none of the rest can beat the best once a bound does not
-            then, left = sorted(rest, key=lambda x: x[1]), []
+            then, left = sorted((screen.item(i) for i in order[len(first):]), key=lambda x: x[1]), []
         else:
-            then, left = _follow_ups(rest, out, limit=candidates)
-        del rest
+            chosen, others = screen.follow_ups(out, set(order), limit=candidates)
+            then, left = [screen.item(i) for i in chosen], [screen.item(i) for i in others]
+        del order, screen
         planned += len(then)
         sent: deque[tuple[float, tuple[str, bool]]] = deque()  # (estimate, class) of each option in flight
 
@@ -189,9 +191,17 @@ def _follow_ups(rest: list[tuple[tuple[bool, float], float, Layout, Strategy]], 
     its class has no simulation. So a class the estimate favours wrongly (say, one 20% optimistic) stops crowding
     out the others once its first options are simulated, and a class not simulated yet gets a look when its best
     estimate beats the best step."""
-    ranked = sorted(((x[0][1] * out.ratio(_estimate_class(x[3])), i) for i, x in enumerate(rest) if not x[0][0]))
-    chosen = {i for corrected, i in ranked[:limit] if corrected < out.beat_s}
-    return [rest[i] for _, i in ranked[:limit] if i in chosen], [x for i, x in enumerate(rest) if i not in chosen]
+    ranked = _corrected(rest, out)[:limit]
+    chosen = [i for corrected, i in ranked if corrected < out.beat_s]
+    taken = set(chosen)
+    return [rest[i] for i in chosen], [x for i, x in enumerate(rest) if i not in taken]
+
+
+def _corrected(rest: list[tuple[tuple[bool, float], float, Layout, Strategy]], out: "_Outcome"
+               ) -> list[tuple[float, int]]:
+    """(corrected estimate, position in ``rest``) of each option of ``rest`` whose memory estimate fits, least
+    first (:func:`_follow_ups`)."""
+    return sorted((x[0][1] * out.ratio(_estimate_class(x[3])), i) for i, x in enumerate(rest) if not x[0][0])
 
 
 @dataclass
@@ -279,14 +289,12 @@ def _shape_key(layout: Layout, strategy: Strategy) -> tuple:
             strategy.precision, fsdp, layout.expert_load, layout.expert_replication)
 
 
-def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
-                    ) -> list[tuple[tuple[bool, float], float, Layout, Strategy]]:
-    """(sort key, lower bound, layout, strategy) of each option of one layer-cost shape: the sort key puts the
-    options whose memory estimate fits first, then orders by estimated step; the bound is
+def _priced(options: list[tuple[Layout, Strategy, tuple[float, float]]]
+            ) -> Iterator[tuple[Layout, Strategy, tuple[float, float], ModelCost, float]]:
+    """(layout, strategy, parameters, model cost, lower bound) of each option of one layer-cost shape; the bound is
     :func:`moeplan.bounds.layout_bound`."""
     graph, target, counts, slots = _SHARED["graph"], _SHARED["target"], _SHARED["counts"], _SHARED["slots"]
     cache = _SHARED.setdefault("costs", {})  # per process: forked workers each keep their own
-    out = []
     costs: dict[frozenset, ModelCost] = {}  # the options of one shape differ in their overlap sets only
     parts: dict = {}  # so their costs share the layer costs, and the memory parts of them
     sums: dict[tuple, PieceSums] = {}
@@ -296,10 +304,6 @@ def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
         if cost is None:
             cost = costs[st.overlap] = model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache,
                                                   st.precision, memory_parts=parts)
-        memory = estimate_memory(lay, st, cost, kinds=slots, target=target, budget=_SHARED["budget"],
-                                 hidden_size=graph.spec.hidden_size)
-        est = estimate_step(lay, st, cost, weights=_SHARED["weights"], slots=_SHARED["slot_flags"], params=params,
-                            target=target, memory=memory)
         skey = (st.overlap, st.schedule in FB_PAIRED, st.schedule in SPLIT_BACKWARD)
         if skey not in sums:
             per_kind = {}
@@ -310,9 +314,111 @@ def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
                     cache[(key, skey[:2])] = floors(lc, st)
                 per_kind[k] = cache[(key, skey[:2])]
             sums[skey] = piece_sums([per_kind[k] for k in slots], st)
-        bound = layout_bound(sums[skey], pp=lay.pp, num_microbatches=lay.num_microbatches, opt_floor_s=opt_floor)
+        yield lay, st, params, cost, layout_bound(sums[skey], pp=lay.pp, num_microbatches=lay.num_microbatches,
+                                                  opt_floor_s=opt_floor)
+
+
+def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
+                    ) -> list[tuple[tuple[bool, float], float, Layout, Strategy]]:
+    """(sort key, lower bound, layout, strategy) of each option of one layer-cost shape: the sort key puts the
+    options whose memory estimate fits first, then orders by estimated step; the bound is
+    :func:`moeplan.bounds.layout_bound`."""
+    graph, target = _SHARED["graph"], _SHARED["target"]
+    out = []
+    for lay, st, params, cost, bound in _priced(options):
+        memory = estimate_memory(lay, st, cost, kinds=_SHARED["slots"], target=target, budget=_SHARED["budget"],
+                                 hidden_size=graph.spec.hidden_size)
+        est = estimate_step(lay, st, cost, weights=_SHARED["weights"], slots=_SHARED["slot_flags"], params=params,
+                            target=target, memory=memory)
         out.append(((not est.fits, est.step_s), bound, lay, st))
     return out
+
+
+def _floor_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]) -> list[tuple[float, float]]:
+    """(estimate floor, lower bound) of each option of one layer-cost shape (:func:`moeplan.estimate.estimate_floor`,
+    :func:`moeplan.bounds.layout_bound`)."""
+    target = _SHARED["target"]
+    return [(estimate_floor(lay, st, cost, params=params, target=target), bound)
+            for lay, st, params, cost, bound in _priced(options)]
+
+
+class _Screen:
+    """Step 4 on demand: every option's estimate floor and bound at once (:func:`_floor_shape`, no stage split nor
+    memory estimate), its estimate (:func:`_estimate_shape`) only when asked. Options are numbered in the order of
+    the shape tasks; ``key[i]`` is option ``i``'s sort key (memory estimate does not fit, estimated step) once
+    estimated. :meth:`best` and :meth:`follow_ups` choose exactly what ranking every estimate would choose: an
+    option left unestimated has a floor, so an estimate, above the last one chosen."""
+
+    def __init__(self, pool: "_Pool", tasks: list[list[tuple[Layout, Strategy, tuple[float, float]]]]) -> None:
+        self.pool, self.tasks = pool, tasks
+        rows = pool.map(_floor_shape, tasks, chunksize=max(1, len(tasks) // 16))
+        self.at = [(t, j) for t, part in enumerate(rows) for j in range(len(part))]  # option -> (task, position)
+        self.floor = [x[0] for part in rows for x in part]
+        self.bound = [x[1] for part in rows for x in part]
+        self.key: list[tuple[bool, float] | None] = [None] * len(self.at)
+        self.estimated = 0
+
+    def item(self, i: int) -> tuple[tuple[bool, float] | None, float, Layout, Strategy]:
+        """(sort key or None, bound, layout, strategy) of option ``i``."""
+        t, j = self.at[i]
+        lay, st, _ = self.tasks[t][j]
+        return self.key[i], self.bound[i], lay, st
+
+    def estimate(self, options: Iterable[int]) -> None:
+        """Estimate the ``options`` not estimated yet, grouped by their shape tasks, in the pool."""
+        groups: dict[int, list[int]] = {}
+        for i in options:
+            if self.key[i] is None:
+                groups.setdefault(self.at[i][0], []).append(i)
+        jobs = [[self.tasks[t][self.at[i][1]] for i in ids] for t, ids in groups.items()]
+        for ids, part in zip(groups.values(), self.pool.map(_estimate_shape, jobs, chunksize=max(1, len(jobs) // 16))):
+            for i, x in zip(ids, part):
+                self.key[i] = x[0]
+        self.estimated += sum(map(len, groups.values()))
+
+    def ranked(self) -> list[int]:
+        """Every option, estimated, first in sort key (then option order): :func:`_estimate_all`'s order."""
+        self.estimate(range(len(self.at)))
+        return sorted(range(len(self.at)), key=lambda i: (self.key[i], i))
+
+    def best(self, n: int) -> list[int]:
+        """The ``n`` options first in sort key (then option order), estimating in order of floor only those whose
+        floor is not above the ``n``-th fitting estimate found (batches of at least 256 until ``n`` fit)."""
+        order = sorted(range(len(self.at)), key=self.floor.__getitem__)
+        fitting: list[float] = []
+        pos = 0
+        while pos < len(order):
+            if len(fitting) < n:
+                end = min(len(order), pos + max(256, pos))
+            else:
+                end = pos
+                while end < len(order) and self.floor[order[end]] <= fitting[n - 1]:
+                    end += 1
+            if end == pos:
+                break
+            self.estimate(order[pos:end])
+            fitting = sorted(fitting + [k[1] for k in (self.key[i] for i in order[pos:end]) if k and not k[0]])
+            pos = end
+        done = [i for i, k in enumerate(self.key) if k is not None]
+        return sorted(done, key=lambda i: (self.key[i], i))[:n]
+
+    def follow_ups(self, out: "_Outcome", skip: set[int], *, limit: int) -> tuple[list[int], list[int]]:
+        """:func:`_follow_ups` of every option but ``skip`` (the options to simulate next, the others), estimating
+        those whose floor, corrected as their estimate would be, is not above both the step to beat and the
+        ``limit``-th corrected estimate found."""
+        rest = [i for i in range(len(self.at)) if i not in skip]
+        cls = {i: _estimate_class(self.item(i)[3]) for i in rest}
+        while True:
+            done = sorted((i for i in rest if self.key[i] is not None), key=lambda i: (self.key[i], i))
+            ranked = _corrected([self.item(i) for i in done], out)
+            limit_s = min(out.beat_s, ranked[limit - 1][0] if len(ranked) >= limit else float("inf"))
+            todo = [i for i in rest if self.key[i] is None and self.floor[i] * out.ratio(cls[i]) <= limit_s]
+            if not todo:
+                break
+            self.estimate(todo)
+        chosen = [done[j] for corrected, j in ranked[:limit] if corrected < out.beat_s]
+        taken = set(chosen)
+        return chosen, [i for i in rest if i not in taken]
 
 
 def _ignore_sigint() -> None:

@@ -133,6 +133,12 @@ def torch_compute_order(kind: ScheduleKind, pp: int, vpp: int, num_microbatches:
     own (:func:`with_comms`), so that lowering, most of the construction time at pp 32, is skipped. So is the
     interleaved zero bubble's ``_add_bubbles_to_actions``, a third of its construction: it only inserts ``None``
     steps between a rank's actions (its source, torch/distributed/pipelining/schedules.py), which are dropped here."""
+    return tuple(tuple(str(a) for a in actions) for actions in _torch_order(kind, pp, vpp, num_microbatches))
+
+
+def _torch_order(kind: ScheduleKind, pp: int, vpp: int, num_microbatches: int) -> list[list]:
+    """Per rank, torch's compute actions (``_Action``) of schedule ``kind``, as :func:`torch_compute_order` builds
+    them."""
     from unittest import mock
 
     from torch.distributed.pipelining.schedules import (ScheduleInterleavedZeroBubble, _PipelineScheduleRuntime,
@@ -142,7 +148,7 @@ def torch_compute_order(kind: ScheduleKind, pp: int, vpp: int, num_microbatches:
             mock.patch.object(ScheduleInterleavedZeroBubble, "_add_bubbles_to_actions",
                               lambda self, num_stages: self.pipeline_order):
         schedule = get_schedule_class(_TORCH_NAMES[kind])([_Stage(pp, pp * vpp)] * vpp, num_microbatches)
-    return tuple(tuple(str(a) for a in schedule.pipeline_order[r] if a is not None) for r in range(pp))
+    return [[a for a in schedule.pipeline_order[r] if a is not None] for r in range(pp)]
 
 
 def _texts(compute: Sequence[_Compute]) -> list[str]:
@@ -289,14 +295,16 @@ def _in_flight_by_rank(kind: ScheduleKind, pp: int, vpp: int, m: int, fb: bool
     """The vectors from each rank's compute order alone, as :func:`build_actions` orders it: p2p actions and the
     pairing of a forward with the next backward do not move any forward or backward."""
     placement = placement_of(kind)
+    order = _torch_order(kind, pp, vpp, m) if kind not in ("1f1b", "interleaved") else None
     out = []
     for r in range(pp):
         if kind == "1f1b":
             events = ((k, s) for k, s, _ in _one_f_one_b_compute(pp, m, r, int(fb)))
         elif kind == "interleaved":
             events = ((k, s) for k, s, _ in _interleaved_compute(pp, vpp, m, r, int(fb)))
-        else:
-            events = ((a.kind, a.stage) for t in torch_compute_order(kind, pp, vpp, m)[r] for a in compute_parts(t))
+        else:  # torch's actions as they are: a pair's halves in order (what compute_parts reads of their text)
+            events = ((b.computation_type.value, b.stage_index) for a in order[r]  # type: ignore[index]
+                      for b in (a.sub_actions or (a,)))
         out.append(vectors_of(events, [stage_of(r, c, pp=pp, placement=placement) for c in range(vpp)]))
     return tuple(out)
 
