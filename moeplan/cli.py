@@ -18,8 +18,8 @@ from rich.text import Text
 
 from moeplan.cli_errors import (GuardedGroup, Invocation, StdoutConsole, err, exit_on_broken_pipe, exit_on_error,
                                 exit_on_interrupt, invocation_of, warn)
-from moeplan.cli_options import (OVERLAP_HELP, PIPELINE_HELP, choice, expert_load_model, integer, positive, run_request,
-                                strategy_options)
+from moeplan.cli_options import (OVERLAP_HELP, PIPELINE_HELP, RAY_HELP, choice, expert_load_model, integer, positive,
+                                run_request, strategy_options)
 from moeplan.errors import LayoutError, PlanError
 
 app = typer.Typer(cls=GuardedGroup, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -129,6 +129,7 @@ def compile_cmd(
                                         "follow-ups at most whose corrected estimate beats the best found"),
     exact: bool = typer.Option(False, "--exact", help="simulate every layout whose lower bound is below the best "
                                                       "found: the optimum under the cost model (slow)"),
+    ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help=RAY_HELP),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary instead of tables"),
 ) -> None:
     """Compile MODEL for DEVICES devices of TARGET into a plan."""
@@ -137,6 +138,7 @@ def compile_cmd(
     from moeplan.compiler import DEFAULT_PIPELINE, Pipeline
     from moeplan.files import check_output
     from moeplan.plan import save_plan
+    from moeplan.ray_pool import require as require_ray
     from moeplan.render import (layout_dict, predicted_dict, render_plan, render_search, search_dict, search_summary,
                                 shape_sources)
     from moeplan.placement import POLICIES
@@ -182,10 +184,11 @@ def compile_cmd(
                               f"device memory of {tgt.name} ({tgt.memory_bytes / 2**30:.1f} GiB)")
         pipe = pipe.with_option("plan-memory", "budget_gib", memory_budget)
     check_pipeline(pipe)
+    require_ray(ray)
     with SearchStatus(err) as status:  # on stderr: what the search is doing, once it runs for a second
         res = compile_model(spec=spec, target=tgt, num_devices=devices, fixed=fixed,
                             pipeline=pipe, candidates=None if exact else max(candidates, top),
-                            keep=top, progress=status)
+                            keep=top, progress=status, ray=ray)
     if output:
         save_plan(res.plan, output)
     sources = shape_sources(model, seq_len=seq_len, global_batch=global_batch)
@@ -215,6 +218,7 @@ def explore_cmd(
     out_dir: Optional[str] = typer.Option(None, "--out", help="folder for results.csv and pareto.png "
                                                               "(default: explore-<space name>)"),
     workers: Optional[int] = typer.Option(None, "--workers", help="worker processes (default: CPU count)"),
+    ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help=RAY_HELP),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary instead of the table"),
 ) -> None:
     """Search model architectures: screen every one of SPACE, verify the best with the full pipeline."""
@@ -223,9 +227,10 @@ def explore_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
-    from moeplan.explore import explore, load_space
+    from moeplan.explore import Verified, explore, load_space
     from moeplan.files import write_atomic
-    from moeplan.render_explore import explore_summary, pareto_png, render_explore, to_csv
+    from moeplan.ray_pool import require as require_ray
+    from moeplan.render_explore import explore_summary, pareto_png, render_explore, to_csv, verified_line
     from moeplan.targets import load_target
 
     for name, v in (("devices", devices), ("top", top), ("workers", workers)):
@@ -233,6 +238,7 @@ def explore_cmd(
     if verify < 0:
         raise LayoutError(f"verify={verify}: must be >= 0")
     space = load_space(space_path)
+    require_ray(ray)
     read_model_warning(space.base)  # the base's ignored keys, before the long work
     tgt = load_target(target)
     folder = Path(out_dir or f"explore-{space.name}")
@@ -248,7 +254,12 @@ def explore_cmd(
                 tasks[phase] = bar.add_task("screening" if phase == "screen" else "verifying", total=total)
             bar.update(tasks[phase], completed=done)
 
-        result = explore(space, target=tgt, num_devices=devices, verify=verify, workers=workers, progress=progress)
+        def verified(v: Verified, name: str) -> None:  # each as its compile finishes, above the bar
+            if not as_json:
+                bar.console.print(verified_line(v, name))
+
+        result = explore(space, target=tgt, num_devices=devices, verify=verify, workers=workers, progress=progress,
+                         ray=ray, verified=verified)
     folder.mkdir(parents=True, exist_ok=True)
     write_atomic(folder / "results.csv", to_csv(result))
     write_atomic(folder / "pareto.png", pareto_png(result))

@@ -19,6 +19,8 @@ from moeplan.placement import DEFAULT_REBALANCE_THRESHOLD
 if TYPE_CHECKING:
     from moeplan.runtime.request import RunRequest
 
+RAY_HELP = ("evaluate on a Ray cluster: 'local' starts one on this machine, 'auto' joins the one running here, or "
+            "give its address (needs pip install \"moeplan[ray]\"; docs/search.md)")
 PIPELINE_HELP = ("compiler passes in order, comma-separated, each with options in braces: shard, partition-stages, "
                  "place-experts, schedule, plan-memory, simulate (the default, in this order); e.g. "
                  "'shard,partition-stages{layer_layout=free},place-experts,schedule,plan-memory,simulate'")

@@ -32,11 +32,11 @@ class CompileResult:
 
 def compile_model(*, spec: ModelSpec, target: Target, num_devices: int, fixed: Fixed,
                   pipeline: str | Pipeline = DEFAULT_PIPELINE, candidates: int | None = 4, workers: int | None = None,
-                  keep: int = 1, progress: Progress | None = None) -> CompileResult:
+                  keep: int = 1, progress: Progress | None = None, ray: str | None = None) -> CompileResult:
     """Trace ``spec``, search layouts for ``num_devices`` devices of ``target`` and return the best plan;
     ``result.ranked`` holds the ``keep`` fastest of those evaluated (``candidates``: how many best estimates go
     through the full pipeline; None: the exact search of moeplan.search). ``pipeline``: a :class:`Pipeline` or its
-    text; the plan records it as ``str(pipeline)``. ``progress``: the search's (moeplan.search.search).
+    text; the plan records it as ``str(pipeline)``. ``progress``, ``ray``: the search's (moeplan.search.search).
 
     Raises SpecError / LayoutError / PlanError for bad input and InfeasibleError when no layout fits in memory.
     """
@@ -48,7 +48,7 @@ def compile_model(*, spec: ModelSpec, target: Target, num_devices: int, fixed: F
     graph = trace_model(spec, seq_len=fixed.seq_len)
     trace_s = time.perf_counter() - t0
     result = search(graph=graph, target=target, num_devices=num_devices, fixed=fixed, pipeline=pipeline,
-                    candidates=candidates, workers=workers, keep=keep, progress=progress)
+                    candidates=candidates, workers=workers, keep=keep, progress=progress, ray=ray)
     best = result.ranked[0].state
     balanced = balanced_step_s(best) if best.load is not None else None
     compile_s = time.perf_counter() - t0

@@ -4,15 +4,19 @@ A SPACE file names a base model, the values each architecture field may take and
 must meet. Every combination is built and checked as a :class:`~moeplan.spec.ModelSpec`, counted
 (:func:`~moeplan.flops.count_params`) and kept when it meets the constraints. Then:
 
-1. **Shortlist.** The layout search's estimate (:func:`~moeplan.search.rank_by_estimate`, every layout) runs on
-   three representatives: the base model and the smallest and largest architectures by total parameters. The best
-   ``screen_layouts`` (layout, strategy) options of each, together, are the shortlist.
+1. **Shortlist.** The layout search's estimate (:func:`~moeplan.search.rank_by_estimate`, every layout, estimated
+   as far as the floors require: docs/search.md §1) runs on three representatives: the base model and the smallest
+   and largest architectures by total parameters. The best ``screen_layouts`` (layout, strategy) options of each,
+   together, are the shortlist.
 2. **Screen.** Each architecture gets the best estimate over the shortlist options valid for it
    (:func:`~moeplan.estimate.estimate_step`; a layer kind is traced once per set of the fields it depends on and its
    prices are reused by every architecture that differs only in layer counts). What an architecture gets here is
-   the screen's figure; a layout outside the shortlist is never considered for it.
+   the screen's figure; a layout outside the shortlist is never considered for it. Options are estimated in order of
+   their estimate floor (:func:`~moeplan.estimate.estimate_floor`) until the floor passes the best estimate that
+   fits: the same best as estimating them all.
 3. **Verify.** The ``verify`` best by screened tokens/s are compiled with the full pipeline and the default layout
-   search (:func:`~moeplan.compile.compile_model`), and the gap between the two figures is reported.
+   search (:func:`~moeplan.compile.compile_model`), one compile per worker process (or Ray worker), reported as each
+   finishes, and the gap between the two figures is reported.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import math
 import re
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -350,7 +355,8 @@ def _screen_group(task: tuple[list[tuple[int, ModelSpec]], list[tuple[Layout, St
     """Screen architectures of one signature (module docstring, step 2)."""
     from moeplan.passes.partition_stages import SLOT_KINDS
     from moeplan.cost_models.memory import budget_bytes
-    from moeplan.estimate import estimate_memory, estimate_step, model_cost, slot_weights, stage_params, static_bytes
+    from moeplan.estimate import (estimate_floor, estimate_memory, estimate_step, model_cost, slot_weights, stage_params,
+                                  static_bytes)
     from moeplan.search_eval import _shape_key
 
     group, shortlist, target, num_devices = task
@@ -367,7 +373,7 @@ def _screen_group(task: tuple[list[tuple[int, ModelSpec]], list[tuple[Layout, St
         params_of: dict = {}
         costs: dict = {}
         reasons: Counter = Counter()
-        bounded = []  # (lower bound: every rank as loaded as the balanced share, ...): estimate_step's load=1
+        floors = []  # (estimate floor, position, ...): estimate_floor, below any estimate of the option
         for lay, st in shortlist:
             rejection = layout_rejection(lay, num_devices=num_devices, devices_per_node=target.devices_per_node,
                                          num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
@@ -384,25 +390,30 @@ def _screen_group(task: tuple[list[tuple[int, ModelSpec]], list[tuple[Layout, St
             cost = costs.get(ckey) or costs.setdefault(
                 ckey, model_cost(graph, lay, target, st.dispatcher, st.overlap, counts, cache,
                                  st.precision))
+            floors.append((estimate_floor(lay, st, cost, params=params, target=target), len(floors), lay, st, cost,
+                           params))
+        floors.sort(key=lambda x: x[:2])
+        # the best is the least (memory estimate does not fit, estimate), then the least such key at the balanced
+        # load, then the first in shortlist order; an option whose floor is above a best that fits cannot be it, nor
+        # can any after it
+        best = None
+        for floor, position, lay, st, cost, params in floors:
+            if best is not None and not best[0][0] and floor > best[0][1]:
+                break
             memory = estimate_memory(lay, st, cost, kinds=tuple(slots), target=target, budget=budget,
                                      hidden_size=spec.hidden_size)
             low = estimate_step(lay, st, cost, weights=weights, slots=flags, params=params, target=target,
                                 memory=memory, load=1.0)
-            bounded.append(((not low.fits, low.step_s), len(bounded), lay, st, cost, params, memory))
-        bounded.sort(key=lambda x: x[:2])
-        best = None
-        for low, _, lay, st, cost, params, memory in bounded:  # the split's load only raises a step: stop at the
-            if best is not None and low >= (not best[0].fits, best[0].step_s):  # first bound that cannot beat the best
-                break
             est = estimate_step(lay, st, cost, weights=weights, slots=flags, params=params, target=target,
                                 memory=memory)
-            if best is None or (not est.fits, est.step_s) < (not best[0].fits, best[0].step_s):
-                best = (est, lay, st)
+            key = ((not est.fits, est.step_s), (not low.fits, low.step_s), position)
+            if best is None or key < best[:3]:
+                best = (*key, est, lay, st)
         if best is None:
             why = reasons.most_common(1)[0][0] if reasons else "empty shortlist"
             out.append(Screened(index, "no-layout", f"no shortlist layout fits ({why})"))
             continue
-        est, lay, st = best
+        est, lay, st = best[3:]
         out.append(Screened(index, "ok", layout=lay, strategy=st, step_s=est.step_s, tokens_per_s=tokens / est.step_s,
                             mfu=model_flops / (est.step_s * num_devices * target.cube_flops),
                             memory_bytes=est.memory_bytes, fits=est.fits))
@@ -410,9 +421,9 @@ def _screen_group(task: tuple[list[tuple[int, ModelSpec]], list[tuple[Layout, St
 
 
 def shortlist(specs: list[ModelSpec], *, target: Target, num_devices: int, keep: int,
-              workers: int | None = None) -> list[tuple[Layout, Strategy]]:
+              workers: int | None = None, ray: str | None = None) -> list[tuple[Layout, Strategy]]:
     """The best ``keep`` (layout, strategy) options by estimate of each representative in ``specs``, in order,
-    without repeats (module docstring, step 1)."""
+    without repeats (module docstring, step 1); on the Ray cluster at ``ray`` when given."""
     from moeplan.cost_models.memory import budget_bytes
     from moeplan.search import Fixed, build_options, rank_by_estimate
     from moeplan.trace import trace_model
@@ -424,17 +435,22 @@ def shortlist(specs: list[ModelSpec], *, target: Target, num_devices: int, keep:
         budget = budget_bytes(target)
         built = build_options(graph=graph, target=target, num_devices=num_devices, fixed=fixed, budget=budget)
         ranked = rank_by_estimate(graph=graph, target=target, options=built.options, budget=budget,
-                                  workers=workers)
-        for _, _, lay, st in ranked[:keep]:
+                                  workers=workers, ray=ray, first=keep)
+        for _, _, lay, st in ranked:
             seen.setdefault((lay, st), None)
     return list(seen)
 
 
 def explore(space: Space, *, target: Target, num_devices: int, verify: int = 50, workers: int | None = None,
-            progress: Callable[[str, int, int], None] | None = None) -> ExploreResult:
+            progress: Callable[[str, int, int], None] | None = None, ray: str | None = None,
+            verified: Callable[[Verified, str], None] | None = None) -> ExploreResult:
     """Run the architecture search (module docstring). ``progress(phase, done, total)`` is called as architectures
-    are screened ("screen") and verified ("verify"). Raises SpecError when no architecture meets the constraints."""
-    from moeplan.search_eval import _Pool
+    are screened ("screen") and verified ("verify"), and ``verified(v, name)`` with each verification and its
+    architecture's name as it finishes (they run in parallel, one compile per worker; ``result.verified`` is in
+    screened order). ``ray``: every step on the Ray cluster at this address (one connection for the whole search:
+    moeplan/ray_pool.py) instead of ``workers`` forked processes. Raises SpecError when no architecture meets the
+    constraints."""
+    from moeplan.search_eval import pool
 
     t0 = time.perf_counter()
     archs = architectures(space)
@@ -445,38 +461,48 @@ def explore(space: Space, *, target: Target, num_devices: int, verify: int = 50,
     base = load_spec(space.base).with_shape(seq_len=space.seq_len, global_batch=space.global_batch)
     by_size = sorted(archs.kept, key=lambda a: a.total_params)
     reps = list({s.model_dump_json(): s for s in (base, by_size[0].spec, by_size[-1].spec)}.values())
-    options = shortlist(reps, target=target, num_devices=num_devices, keep=space.screen_layouts, workers=workers)
-    groups: dict[tuple, list[tuple[int, ModelSpec]]] = {}
-    for i, a in enumerate(archs.kept):
-        groups.setdefault(_signature(a.spec), []).append((i, a.spec))
-    tasks = [(g, options, target, num_devices) for g in groups.values()]
-    screened: list[Screened] = []
-    with _Pool(workers) as pool:
-        for part in pool.imap(_screen_group, tasks):
-            screened += part
-            if progress:
-                progress("screen", len(screened), len(archs.kept))
-    result = ExploreResult(space, target, num_devices, archs, sorted(screened, key=lambda s: s.index),
-                           shortlist=tuple(options), screen_s=time.perf_counter() - t0)
-    t1 = time.perf_counter()
-    best = result.ranked()[:verify]
-    for n, s in enumerate(best):
-        result.verified.append(_verify(archs.kept[s.index].spec, s.index, target, num_devices, workers))
-        if progress:
-            progress("verify", n + 1, len(best))
-    result.verify_s = time.perf_counter() - t1
+    with pool(workers, ray) if ray is not None else nullcontext():  # under Ray, one connection for every step
+        options = shortlist(reps, target=target, num_devices=num_devices, keep=space.screen_layouts,
+                            workers=workers, ray=ray)
+        groups: dict[tuple, list[tuple[int, ModelSpec]]] = {}
+        for i, a in enumerate(archs.kept):
+            groups.setdefault(_signature(a.spec), []).append((i, a.spec))
+        tasks = [(g, options, target, num_devices) for g in groups.values()]
+        screened: list[Screened] = []
+        with pool(workers, ray) as screen_pool:
+            for part in screen_pool.imap(_screen_group, tasks):
+                screened += part
+                if progress:
+                    progress("screen", len(screened), len(archs.kept))
+        result = ExploreResult(space, target, num_devices, archs, sorted(screened, key=lambda s: s.index),
+                               shortlist=tuple(options), screen_s=time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        best = result.ranked()[:verify]
+        tasks = [(archs.kept[s.index].spec, s.index, target, num_devices) for s in best]
+        with pool(workers, ray) as verify_pool:  # one compile per worker, each in one process
+            for v in verify_pool.unordered(_verify, tasks):
+                result.verified.append(v)
+                if verified:
+                    verified(v, archs.kept[v.index].spec.name)
+                if progress:
+                    progress("verify", len(result.verified), len(best))
+        order = {s.index: n for n, s in enumerate(best)}
+        result.verified.sort(key=lambda v: order[v.index])
+        result.verify_s = time.perf_counter() - t1
     return result
 
 
-def _verify(spec: ModelSpec, index: int, target: Target, num_devices: int, workers: int | None) -> Verified:
+def _verify(task: tuple[ModelSpec, int, Target, int]) -> Verified:
+    """The default compile of one screened architecture, in this process (a verification task)."""
     from moeplan.compile import compile_model
     from moeplan.compiler import DEFAULT_PIPELINE
     from moeplan.search import Fixed
 
+    spec, index, target, num_devices = task
     try:
         res = compile_model(spec=spec, target=target, num_devices=num_devices,
                             fixed=Fixed(global_batch=spec.global_batch, seq_len=spec.seq_len),
-                            pipeline=DEFAULT_PIPELINE, workers=workers)
+                            pipeline=DEFAULT_PIPELINE, workers=1)
     except MoeplanError as e:
         return Verified(index, "failed", str(e).splitlines()[0])
     ev = res.result.ranked[0]

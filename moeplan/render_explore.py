@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from moeplan.explore import SHORT_NAMES, ExploreResult, pareto
+from moeplan.explore import SHORT_NAMES, ExploreResult, Verified, pareto
 from moeplan.layout import Layout
 
 GIB = 1024**3
@@ -43,6 +43,15 @@ def explore_summary(result: ExploreResult, top: int) -> dict:
             "verified": len(result.verified), "verified_failed": sum(v.status != "ok" for v in result.verified),
             "gap_max_abs": max(map(abs, g), default=None), "gap_median": statistics.median(g) if g else None,
             "pareto": [kept[s.index].spec.name for s in pareto(result)], "best": best}
+
+
+def verified_line(v: Verified, name: str) -> str:
+    """One verification as it finishes (``moeplan explore`` prints it above its progress bar)."""
+    if v.status != "ok":
+        return f"verified {name}: failed: {v.reason}"
+    assert v.layout is not None and v.strategy is not None
+    return (f"verified {name}: {v.layout.short()} {v.strategy.short()}, step {v.step_s:.3f} s, "
+            f"{v.tokens_per_s:,.0f} tokens/s, MFU {v.mfu:.1%} (compiled in {v.compile_s:.1f} s)")
 
 
 def render_explore(console: Console, result: ExploreResult, top: int) -> None:

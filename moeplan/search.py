@@ -51,8 +51,8 @@ from moeplan.load_model import LoadModel
 from moeplan.mechanisms import mechanism
 from moeplan.passes.schedule import schedule_fits
 from moeplan.runtimes import RUNTIMES, Setup
-from moeplan.search_eval import (_SHARED, Evaluated, Progress, _estimate_all, _estimate_and_evaluate, _lean, _Pool,
-                                 _shape_tasks)
+from moeplan.search_eval import (_SHARED, Evaluated, Progress, _estimate_all, _estimate_and_evaluate, _lean, _Screen,
+                                 _shape_tasks, pool)
 from moeplan.spec import ModelSpec
 from moeplan.state import Dispatcher, Mechanism, Precision, ScheduleKind, Strategy
 from moeplan.targets import Target
@@ -355,30 +355,36 @@ def pipeline_budget(pipeline: Pipeline, target: Target) -> float:
 
 
 def rank_by_estimate(*, graph: ModelGraph, target: Target, options: list[tuple[Layout, Strategy, tuple[float, float]]],
-                     budget: float, workers: int | None = None
+                     budget: float, workers: int | None = None, ray: str | None = None, first: int | None = None
                      ) -> list[tuple[tuple[bool, float], float, Layout, Strategy]]:
     """Step 4 alone: every option's (sort key, lower bound, layout, strategy), best estimate first (those whose
-    memory estimate fits ``budget`` before those that do not)."""
+    memory estimate fits ``budget`` before those that do not); with ``first``, only the first ``first`` of that
+    list, estimating only the options whose estimate floor could put them there (moeplan/search_eval.py
+    ``_Screen``)."""
     slots = [k for _, k in named_layers(graph.spec)]
     _SHARED["graph"], _SHARED["target"], _SHARED["budget"] = _lean(graph), target, budget
     try:
         tasks = _shape_tasks(options, slots, slot_weights(graph, slots))
-        with _Pool(workers) as pool:
-            return _estimate_all(pool, tasks)
+        with pool(workers, ray) as workers_pool:
+            if first is None:
+                return _estimate_all(workers_pool, tasks)
+            screen = _Screen(workers_pool, tasks)
+            return [screen.item(i) for i in screen.best(first)]  # type: ignore[misc]
     finally:
         _SHARED.clear()
 
 
 def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed, pipeline: Pipeline,
            candidates: int | None = 4, workers: int | None = None, keep: int = 1,
-           progress: Progress | None = None) -> SearchResult:
+           progress: Progress | None = None, ray: str | None = None) -> SearchResult:
     """Find the fastest layouts; see the module docstring. ``candidates``: how many of the best estimates go through
     the full pipeline; None: every option whose lower bound is below the ``keep``-th best step found (exact).
     ``keep``: how many of the evaluated ones the result holds whole (the rest are counted, not kept).
-    ``progress``: called with a moeplan.search_eval.SearchProgress as the search goes, in this process. Raises
-    PlanError if the pipeline cannot make a plan (:func:`check_pipeline`), LayoutError if no layout is valid (the
-    most common reason, with the counts of the others), and InfeasibleError (with the smallest per-device memory
-    seen) if every valid layout runs out of memory."""
+    ``progress``: called with a moeplan.search_eval.SearchProgress as the search goes, in this process. ``ray``:
+    evaluate on the Ray cluster at this address instead of ``workers`` forked processes (moeplan/ray_pool.py: the
+    same plan). Raises PlanError if the pipeline cannot make a plan (:func:`check_pipeline`), LayoutError if no
+    layout is valid (the most common reason, with the counts of the others), and InfeasibleError (with the
+    smallest per-device memory seen) if every valid layout runs out of memory."""
     check_pipeline(pipeline)
     _check_fixed(fixed, target, num_devices, graph.spec)
     budget = pipeline_budget(pipeline, target)
@@ -401,7 +407,7 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
     _SHARED["load"] = fixed.load
     try:
         out = _estimate_and_evaluate(options, slots, weights, target, pipeline, candidates, workers, keep,
-                                     auto_overlap=fixed.overlap is None, progress=progress)
+                                     auto_overlap=fixed.overlap is None, progress=progress, ray=ray)
     finally:
         _SHARED.clear()
     rejected.update(r.reason for r in out.refused)
@@ -412,7 +418,7 @@ def search(*, graph: ModelGraph, target: Target, num_devices: int, fixed: Fixed,
                         num_evaluated=out.sent, num_options=len(options), num_pruned=out.pruned,
                         bound_s=out.bound_s, num_open=out.open,
                         simulation_s=out.evaluated_s / out.simulated if out.simulated else 0.0,
-                        workers=_Pool(workers).workers)
+                        workers=out.workers)
 
 
 def _none_valid(layouts: list[Layout], rejected: Counter, examples: dict[str, Rejection]) -> LayoutError:

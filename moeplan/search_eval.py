@@ -1,11 +1,12 @@
 """Steps 4–6 of the layout search (moeplan/search.py, whose module docstring describes them): the options grouped
 by layer-cost shape (:func:`_shape_key`) are floored and bounded in closed form in worker processes, and estimated
 where their floor could make them count (:func:`_floor_shape`, :func:`_estimate_shape`, :class:`_Screen`; every
-option for an exact search and :func:`_estimate_all`); the best estimates, the follow-ups (:func:`_follow_ups`) or, for an
-exact search, every option whose bound is below the best step go through the full pipeline (:func:`_evaluate`,
-:func:`_estimate_and_evaluate`), which keeps the fastest (:class:`_Outcome`). Here too: what the workers read
-(``_SHARED``, set before they fork) and the pool of forked workers (:class:`_Pool`), and what evaluating an option
-gives (:class:`Evaluated`, :class:`Pruned`).
+option for an exact search and :func:`_estimate_all`); the best estimates, the follow-ups (:func:`_follow_ups`) or,
+for an exact search, every option whose bound is below the best step go through the full pipeline
+(:func:`_evaluate`, :func:`_estimate_and_evaluate`), which keeps the fastest (:class:`_Outcome`). Here too: what
+the workers read (``_SHARED``, set before they fork), the pool of forked workers (:class:`_Pool`; :func:`pool`
+chooses it or the Ray cluster's, moeplan/ray_pool.py) and what evaluating an option gives (:class:`Evaluated`,
+:class:`Pruned`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import heapq
 import os
 import signal
 from collections import Counter, deque
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 from typing import Callable, Iterable, Iterator, Literal
@@ -29,6 +30,7 @@ from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout, Rejection
 from moeplan.mechanisms import FB_PAIRED
 from moeplan.passes.partition_stages import SLOT_KINDS
+from moeplan.ray_pool import RayPool
 from moeplan.runtimes import RUNTIMES, Setup
 from moeplan.state import PlanState, Strategy
 from moeplan.targets import Target
@@ -84,7 +86,7 @@ def _evaluate(args: tuple[Layout, Strategy, Pipeline, bool, float]) -> Evaluated
     return error
 
 
-def _estimate_all(pool: "_Pool", tasks: list[list[tuple[Layout, Strategy, tuple[float, float]]]]
+def _estimate_all(pool: "_Pool | RayPool", tasks: list[list[tuple[Layout, Strategy, tuple[float, float]]]]
                   ) -> list[tuple[tuple[bool, float], float, Layout, Strategy]]:
     """:func:`_estimate_shape` of every task in ``pool``, flattened and sorted by sort key (best first)."""
     scored = [x for part in pool.map(_estimate_shape, tasks, chunksize=max(1, len(tasks) // 16)) for x in part]
@@ -113,15 +115,15 @@ Progress = Callable[[SearchProgress], None]
 def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, float]]], slots: list[LayerKind],
                            weights: tuple[float, ...], target: Target, pipeline: Pipeline, candidates: int | None,
                            workers: int | None, keep: int, *, auto_overlap: bool,
-                           progress: Progress | None = None) -> _Outcome:
+                           progress: Progress | None = None, ray: str | None = None) -> _Outcome:
     """Steps 4–6 of the module docstring in one pool of worker processes: the options of one layer-cost shape
     (:func:`_shape_key`) are priced, floored, bounded and, where needed, estimated together (:class:`_Screen`); the
-    best estimates go through the full
-    pipeline, then the follow-ups (:func:`_follow_ups`) or (``candidates=None``) every option whose bound is below
-    the best step found, in bound order. The ``keep`` fastest evaluated are held whole, the others dropped as they
-    arrive (memory does not grow with the number evaluated). What is sent depends only on results, never on the
-    order they arrive in: the same plan for any number of workers. ``progress`` is called as it goes
-    (:class:`SearchProgress`), in this process."""
+    best estimates go through the full pipeline, then the follow-ups (:func:`_follow_ups`) or (``candidates=None``)
+    every option whose bound is below the best step found, in bound order. The ``keep`` fastest evaluated are held
+    whole, the others dropped as they arrive (memory does not grow with the number evaluated). What is sent depends
+    only on results, never on the order they arrive in: the same plan for any number of workers, local or on the
+    Ray cluster at ``ray`` (:func:`pool`). ``progress`` is called as it goes (:class:`SearchProgress`), in this
+    process."""
     tasks = _shape_tasks(options, slots, weights)
     out = _Outcome(keep)
     told = progress or (lambda _: None)
@@ -131,15 +133,16 @@ def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, fl
         told(SearchProgress("simulate", len(options), out.sent, out.pruned, planned, out.best_s))
 
     told(SearchProgress("estimate", len(options)))
-    with _Pool(workers) as pool:
-        screen = _Screen(pool, tasks)
+    with pool(workers, ray) as workers_pool:
+        out.workers = workers_pool.workers
+        screen = _Screen(workers_pool, tasks)
         order = screen.ranked() if candidates is None else screen.best(candidates)  # exact: every estimate
         first = [screen.item(i) for i in order[:candidates if candidates is not None else max(keep, 4)]]
         planned = len(first)
         tell()
         # the first ones are simulated in full, whatever arrives first: what they measure decides the follow-ups
-        for (est, _, _, st), r in zip(first, pool.imap(_evaluate, [(lay, st, pipeline, auto_overlap, float("inf"))
-                                                                     for _, _, lay, st in first])):
+        starts = [(lay, st, pipeline, auto_overlap, float("inf")) for _, _, lay, st in first]
+        for (est, _, _, st), r in zip(first, workers_pool.imap(_evaluate, starts)):
             out.add(r, est[1], _estimate_class(st))
             tell()
         if candidates is None:  # exact: in bound order; none of the rest can beat the best once a bound does not
@@ -162,7 +165,7 @@ def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, fl
                 sent.append((est, _estimate_class(st)))
                 yield lay, st, pipeline, auto_overlap, out.beat_s
 
-        for r in pool.imap(_evaluate, sends()):
+        for r in workers_pool.imap(_evaluate, sends()):
             est, cls = sent.popleft()
             out.add(r, est, cls)
             tell()
@@ -220,6 +223,7 @@ class _Outcome:
     open: int = 0  # options left unsimulated whose bound is below the step to beat
     evaluated_s: float = 0.0  # seconds the full pipeline took over the plans it simulated (in the workers)
     simulated: int = 0  # plans it simulated
+    workers: int = 1  # the processes that evaluated
     ratios: dict[tuple[str, bool], float] = field(default_factory=dict)  # per estimate class: :meth:`ratio`
 
     @property
@@ -349,7 +353,8 @@ class _Screen:
     estimated. :meth:`best` and :meth:`follow_ups` choose exactly what ranking every estimate would choose: an
     option left unestimated has a floor, so an estimate, above the last one chosen."""
 
-    def __init__(self, pool: "_Pool", tasks: list[list[tuple[Layout, Strategy, tuple[float, float]]]]) -> None:
+    def __init__(self, pool: "_Pool | RayPool", tasks: list[list[tuple[Layout, Strategy, tuple[float, float]]]]
+                 ) -> None:
         self.pool, self.tasks = pool, tasks
         rows = pool.map(_floor_shape, tasks, chunksize=max(1, len(tasks) // 16))
         self.at = [(t, j) for t, part in enumerate(rows) for j in range(len(part))]  # option -> (task, position)
@@ -442,6 +447,21 @@ def _runtime_rejection(state: PlanState) -> Rejection | None:
     return Rejection("runtime", None, f"runtime: {rt.title} refuses overlap {found[0].mechanism}: {found[0].reason}")
 
 
+def pool(workers: int | None, ray: str | None = None) -> "_Pool | RayPool":
+    """Where a search's tasks run: ``workers`` forked processes (:class:`_Pool`), or with ``ray`` the Ray cluster at
+    that address (moeplan/ray_pool.py)."""
+    if ray is None:
+        return _Pool(workers)
+    return RayPool(ray, workers, snapshot=lambda: {k: v for k, v in _SHARED.items() if k != "costs"},
+                   install=_install)
+
+
+def _install(data: dict) -> None:
+    """In a Ray worker: ``data`` (a search's ``_SHARED`` without the caches) is what its tasks read."""
+    _SHARED.clear()
+    _SHARED.update(data)
+
+
 class _Pool:
     """``map`` / ``imap`` in forked worker processes (``workers`` of them, default the CPU count), or in this process
     for one worker; the pool starts at the first call with more than one task."""
@@ -476,6 +496,13 @@ class _Pool:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+
+    def unordered(self, fn, tasks: list) -> Iterator:  # type: ignore[no-untyped-def]
+        """``fn`` of every task, each as soon as it finishes (in order in this process, for one worker)."""
+        if self.workers <= 1 or len(tasks) <= 1:
+            yield from map(fn, tasks)
+            return
+        yield from (f.result() for f in as_completed([self._executor().submit(fn, t) for t in tasks]))
 
     def _executor(self) -> ProcessPoolExecutor:
         if self.pool is None:

@@ -106,8 +106,8 @@ def tiny_result(tmp_path_factory):
 
 
 def test_screen_reports_the_best_shortlist_estimate(tiny_result):
-    """The branch and bound (load=1 bounds, then the split's load) returns what pricing every shortlist option in
-    full returns."""
+    """The branch and bound (estimate floors, then full estimates in floor order) returns what pricing every
+    shortlist option in full returns."""
     res = tiny_result
     target = res.target
     options = res.shortlist
@@ -171,6 +171,21 @@ def test_explore_cli_writes_csv_and_png(tmp_path):
     assert (tmp_path / "out" / "pareto.png").read_bytes()[:4] == b"\x89PNG"
     assert len((tmp_path / "out" / "results.csv").read_text().splitlines()) == 1 + 2 * 2 * 2
     assert '"verified": 1' in proc.stdout
+
+
+def test_explore_verifies_in_parallel_and_says_each_as_it_finishes(tmp_path):
+    """Two verification compiles at once (one per worker) write the results of one at a time, and each is said on
+    stderr as it finishes."""
+    space = write(tmp_path, edited(choices__num_layers=[2, 3], choices__hidden_size=[64]))
+    runs = {}
+    for workers in (1, 2):
+        proc = run_moeplan("explore", space, "--target", "h100", "--devices", "8", "--verify", "2", "--workers",
+                           workers, "--out", tmp_path / f"out{workers}")
+        assert proc.returncode == 0, proc.stderr
+        runs[workers] = proc
+    said = [line for line in runs[2].stderr.splitlines() if line.startswith("verified ")]
+    assert len(said) == 2 and all(" tokens/s, MFU " in line for line in said), runs[2].stderr
+    assert (tmp_path / "out1" / "results.csv").read_text() == (tmp_path / "out2" / "results.csv").read_text()
 
 
 @functools.cache
