@@ -1,27 +1,18 @@
 """The layout search estimates lazily (moeplan/search_eval.py ``_Screen``): each option's floor is never above its
 estimate, and what it chooses to simulate is exactly what ranking every estimate would choose."""
 import pytest
-from moeplan.targets import load_target
 
 from moeplan.compiler import DEFAULT_PIPELINE, Pipeline
 from moeplan.estimate import slot_weights
 from moeplan.ir import named_layers
 from moeplan.search import Fixed, build_options, pipeline_budget
-from moeplan.search_eval import (
-    _SHARED,
-    _estimate_class,
-    _follow_ups,
-    _lean,
-    _Outcome,
-    _Pool,
-    _Screen,
-    _shape_tasks,
-)
+from moeplan.search_eval import _SHARED, _estimate_class, _follow_ups, _lean, _Outcome, _Pool, _Screen, _shape_tasks
 from moeplan.spec import load_spec
+from moeplan.targets import load_target
 from moeplan.trace import trace_model
 
 
-@pytest.fixture(scope="module", params=[("tiny-pangu", "cpu", 16), ("deepseek-v3", "h800", 256)])
+@pytest.fixture(scope="module", params=[("tiny-pangu", "cpu", 16), ("qwen2-57b-a14b", "h100", 32)])
 def screened(request):
     model, target, devices = request.param
     spec, tgt = load_spec(model), load_target(target)
