@@ -87,9 +87,9 @@ class RayPool:
             try:
                 if self.address == "local":
                     ray.init(num_cpus=self.requested, include_dashboard=False, log_to_driver=False,
-                             logging_level=logging.WARNING)
+                             logging_level=logging.ERROR)
                 else:
-                    ray.init(address=self.address, log_to_driver=False, logging_level=logging.WARNING)
+                    ray.init(address=self.address, log_to_driver=False, logging_level=logging.ERROR)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise PlanError(f"ray={self.address!r}: cannot connect to a Ray cluster there "
                                 f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
