@@ -185,19 +185,16 @@ def _estimate_class(strategy: Strategy) -> tuple[str, bool]:
 
 
 def _follow_ups(rest: list[tuple[tuple[bool, float], float, Layout, Strategy]], out: "_Outcome", *, limit: int
-                ) -> tuple[list, list]:
-    """(the options to simulate next, the others): at most ``limit`` of those whose memory estimate fits, least
-    corrected estimate first, each below the best step simulated so far.
+                ) -> list[int]:
+    """The positions in ``rest`` of the options to simulate next: at most ``limit`` of those whose memory estimate
+    fits, least corrected estimate first, each below the best step simulated so far.
 
     The correction is measured, not assumed: each simulated option gives its step over its estimate, and an
     option's estimate is scaled by the least such ratio seen in its class (:func:`_estimate_class`), by none while
     its class has no simulation. So a class the estimate favours wrongly (say, one 20% optimistic) stops crowding
     out the others once its first options are simulated, and a class not simulated yet gets a look when its best
     estimate beats the best step."""
-    ranked = _corrected(rest, out)[:limit]
-    chosen = [i for corrected, i in ranked if corrected < out.beat_s]
-    taken = set(chosen)
-    return [rest[i] for i in chosen], [x for i, x in enumerate(rest) if i not in taken]
+    return [i for corrected, i in _corrected(rest, out)[:limit] if corrected < out.beat_s]
 
 
 def _corrected(rest: list[tuple[tuple[bool, float], float, Layout, Strategy]], out: "_Outcome"
@@ -421,7 +418,7 @@ class _Screen:
             if not todo:
                 break
             self.estimate(todo)
-        chosen = [done[j] for corrected, j in ranked[:limit] if corrected < out.beat_s]
+        chosen = [done[j] for j in _follow_ups([self.item(i) for i in done], out, limit=limit)]
         taken = set(chosen)
         return chosen, [i for i in rest if i not in taken]
 

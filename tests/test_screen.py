@@ -54,6 +54,7 @@ def test_follow_ups_are_those_of_every_estimate(screened, ratio):
     beat = sorted(k[1] for k in full.key if not k[0])[len(every) // 50]
     out.best = [(-beat, -1, None)]  # type: ignore[list-item]
     chosen, left = lazy.follow_ups(out, set(first), limit=4)
-    want, rest = _follow_ups([full.item(i) for i in every[4:]], out, limit=4)
-    assert [lazy.item(i)[2:] for i in chosen] == [x[2:] for x in want] and want
-    assert sorted(lazy.bound[i] for i in left) == sorted(x[1] for x in rest)
+    rest = [full.item(i) for i in every[4:]]
+    want = _follow_ups(rest, out, limit=4)
+    assert [lazy.item(i)[2:] for i in chosen] == [rest[i][2:] for i in want] and want
+    assert sorted(lazy.bound[i] for i in left) == sorted(x[1] for j, x in enumerate(rest) if j not in want)
