@@ -51,8 +51,7 @@ from moeplan.load_model import LoadModel
 from moeplan.mechanisms import mechanism
 from moeplan.passes.schedule import schedule_fits
 from moeplan.runtimes import RUNTIMES, Setup
-from moeplan.search_eval import (_SHARED, Evaluated, Progress, _estimate_all, _estimate_and_evaluate, _lean, _Screen,
-                                 _shape_tasks, pool)
+from moeplan.search_eval import _SHARED, Evaluated, Progress, _estimate_and_evaluate, _lean, _Screen, _shape_tasks, pool
 from moeplan.spec import ModelSpec
 from moeplan.state import Dispatcher, Mechanism, Precision, ScheduleKind, Strategy
 from moeplan.targets import Target
@@ -366,10 +365,9 @@ def rank_by_estimate(*, graph: ModelGraph, target: Target, options: list[tuple[L
     try:
         tasks = _shape_tasks(options, slots, slot_weights(graph, slots))
         with pool(workers, ray) as workers_pool:
-            if first is None:
-                return _estimate_all(workers_pool, tasks)
             screen = _Screen(workers_pool, tasks)
-            return [screen.item(i) for i in screen.best(first)]  # type: ignore[misc]
+            order = screen.ranked() if first is None else screen.best(first)
+            return [screen.item(i) for i in order]  # type: ignore[misc]
     finally:
         _SHARED.clear()
 

@@ -1,12 +1,12 @@
 """Steps 4–6 of the layout search (moeplan/search.py, whose module docstring describes them): the options grouped
 by layer-cost shape (:func:`_shape_key`) are floored and bounded in closed form in worker processes, and estimated
-where their floor could make them count (:func:`_floor_shape`, :func:`_estimate_shape`, :class:`_Screen`; every
-option for an exact search and :func:`_estimate_all`); the best estimates, the follow-ups (:func:`_follow_ups`) or,
-for an exact search, every option whose bound is below the best step go through the full pipeline
-(:func:`_evaluate`, :func:`_estimate_and_evaluate`), which keeps the fastest (:class:`_Outcome`). Here too: what
-the workers read (``_SHARED``, set before they fork), the pool of forked workers (:class:`_Pool`; :func:`pool`
-chooses it or the Ray cluster's, moeplan/ray_pool.py) and what evaluating an option gives (:class:`Evaluated`,
-:class:`Pruned`).
+where their floor could make them count (:func:`_floor_shape`, :func:`_estimate_shape`, :class:`_Screen`; an exact
+search estimates every option, without floors: :meth:`_Screen.ranked`); the best estimates, the follow-ups
+(:func:`_follow_ups`) or, for an exact search, every option whose bound is below the best step go through the full
+pipeline (:func:`_evaluate`, :func:`_estimate_and_evaluate`), which keeps the fastest (:class:`_Outcome`). Here
+too: what the workers read (``_SHARED``, set before they fork), the pool of forked workers (:class:`_Pool`;
+:func:`pool` chooses it or the Ray cluster's, moeplan/ray_pool.py) and what evaluating an option gives
+(:class:`Evaluated`, :class:`Pruned`).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import signal
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from multiprocessing import get_context
 from typing import Callable, Iterable, Iterator, Literal
 
@@ -84,14 +85,6 @@ def _evaluate(args: tuple[Layout, Strategy, Pipeline, bool, float]) -> Evaluated
             return e.rejection if isinstance(e.rejection, Rejection) else Rejection("pass", None, str(e))
         return Evaluated(state=state, pass_s=tuple((t.name, t.seconds) for t in timings))
     return error
-
-
-def _estimate_all(pool: "_Pool | RayPool", tasks: list[list[tuple[Layout, Strategy, tuple[float, float]]]]
-                  ) -> list[tuple[tuple[bool, float], float, Layout, Strategy]]:
-    """:func:`_estimate_shape` of every task in ``pool``, flattened and sorted by sort key (best first)."""
-    scored = [x for part in pool.map(_estimate_shape, tasks, chunksize=max(1, len(tasks) // 16)) for x in part]
-    scored.sort(key=lambda x: x[0])
-    return scored
 
 
 @dataclass(frozen=True)
@@ -344,21 +337,28 @@ def _floor_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]) ->
 
 
 class _Screen:
-    """Step 4 on demand: every option's estimate floor and bound at once (:func:`_floor_shape`, no stage split nor
-    memory estimate), its estimate (:func:`_estimate_shape`) only when asked. Options are numbered in the order of
-    the shape tasks; ``key[i]`` is option ``i``'s sort key (memory estimate does not fit, estimated step) once
-    estimated. :meth:`best` and :meth:`follow_ups` choose exactly what ranking every estimate would choose: an
-    option left unestimated has a floor, so an estimate, above the last one chosen."""
+    """Step 4 on demand: every option's estimate floor and bound at once when first needed (:attr:`floor`:
+    :func:`_floor_shape`, no stage split nor memory estimate), its estimate (:func:`_estimate_shape`, which gives its
+    bound too) only when asked. Options are numbered in the order of the shape tasks; ``key[i]`` is option ``i``'s
+    sort key (memory estimate does not fit, estimated step) once estimated, ``bound[i]`` its bound once floored or
+    estimated. :meth:`best` and :meth:`follow_ups` choose exactly what ranking every estimate (:meth:`ranked`)
+    would choose: an option left unestimated has a floor, so an estimate, above the last one chosen."""
 
     def __init__(self, pool: "_Pool | RayPool", tasks: list[list[tuple[Layout, Strategy, tuple[float, float]]]]
                  ) -> None:
         self.pool, self.tasks = pool, tasks
-        rows = pool.map(_floor_shape, tasks, chunksize=max(1, len(tasks) // 16))
-        self.at = [(t, j) for t, part in enumerate(rows) for j in range(len(part))]  # option -> (task, position)
-        self.floor = [x[0] for part in rows for x in part]
-        self.bound = [x[1] for part in rows for x in part]
+        self.at = [(t, j) for t, task in enumerate(tasks) for j in range(len(task))]  # option -> (task, position)
         self.key: list[tuple[bool, float] | None] = [None] * len(self.at)
+        self.bound = [float("nan")] * len(self.at)
         self.estimated = 0
+
+    @cached_property
+    def floor(self) -> list[float]:
+        """Every option's estimate floor (and, on the way, its bound)."""
+        rows = [x for part in self.pool.map(_floor_shape, self.tasks, chunksize=max(1, len(self.tasks) // 16))
+                for x in part]
+        self.bound = [x[1] for x in rows]
+        return [x[0] for x in rows]
 
     def item(self, i: int) -> tuple[tuple[bool, float] | None, float, Layout, Strategy]:
         """(sort key or None, bound, layout, strategy) of option ``i``."""
@@ -373,13 +373,14 @@ class _Screen:
             if self.key[i] is None:
                 groups.setdefault(self.at[i][0], []).append(i)
         jobs = [[self.tasks[t][self.at[i][1]] for i in ids] for t, ids in groups.items()]
-        for ids, part in zip(groups.values(), self.pool.map(_estimate_shape, jobs, chunksize=max(1, len(jobs) // 16))):
+        parts = self.pool.map(_estimate_shape, jobs, chunksize=max(1, len(jobs) // 16))
+        for ids, part in zip(groups.values(), parts):
             for i, x in zip(ids, part):
-                self.key[i] = x[0]
+                self.key[i], self.bound[i] = x[0], x[1]
         self.estimated += sum(map(len, groups.values()))
 
     def ranked(self) -> list[int]:
-        """Every option, estimated, first in sort key (then option order): :func:`_estimate_all`'s order."""
+        """Every option, estimated (no floors needed), first in sort key, then option order."""
         self.estimate(range(len(self.at)))
         return sorted(range(len(self.at)), key=lambda i: (self.key[i], i))
 
@@ -412,13 +413,14 @@ class _Screen:
         cls = {i: _estimate_class(self.item(i)[3]) for i in rest}
         while True:
             done = sorted((i for i in rest if self.key[i] is not None), key=lambda i: (self.key[i], i))
-            ranked = _corrected([self.item(i) for i in done], out)
+            items = [self.item(i) for i in done]
+            ranked = _corrected(items, out)
             limit_s = min(out.beat_s, ranked[limit - 1][0] if len(ranked) >= limit else float("inf"))
             todo = [i for i in rest if self.key[i] is None and self.floor[i] * out.ratio(cls[i]) <= limit_s]
             if not todo:
                 break
             self.estimate(todo)
-        chosen = [done[j] for j in _follow_ups([self.item(i) for i in done], out, limit=limit)]
+        chosen = [done[j] for j in _follow_ups(items, out, limit=limit)]
         taken = set(chosen)
         return chosen, [i for i in rest if i not in taken]
 
