@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -207,9 +208,18 @@ def test_torchrun_command_needs_whole_nodes(pp2):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (``ip_local_port_range``, 32768-60999 by default) and above Ray's
+    worker ports (10002-19999): a port from ``bind(0)`` is one the kernel hands to the next ``bind(0)`` or outgoing
+    connection too, and a run of the other test worker (the local launcher's store binds ``localhost:0``) took one
+    between this test's probe and torchrun's bind, so torchrun met that store and failed."""
+    for port in random.Random().sample(range(20000, 32768), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("localhost", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def test_printed_torchrun_command_runs_to_completion(pp2):
@@ -264,16 +274,35 @@ def test_ctrl_c_prints_one_line_and_exits_130(pp2):
                         f"step {ref.step} ({ref.path}), continue with --resume")
 
 
+def _site_packages_loaded(pid: int) -> bool:
+    """Whether the process has mapped a shared library from site-packages: Python's own start (its ``site`` import,
+    which runs the ``.pth`` files) is over, and the console script is importing moeplan's dependencies."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return "/site-packages/" in maps.read()
+
+
 @pytest.mark.parametrize("after_s", [0.1, 0.4, 1.5])
 def test_ctrl_c_before_the_first_step_prints_one_line_and_exits_130(pp2, after_s):
     """SIGINT in the first seconds of the ``moeplan`` console script: while its modules load, while typer parses
     the arguments, while ``run`` checks the plan and starts the ranks. It printed the traceback of the interrupted
-    import, or exited 130 with no line (typer's own handling; issue 34). Whenever it lands: exit 130 and one line."""
+    import, or exited 130 with no line (typer's own handling; issue 34). Whenever it lands: exit 130 and one line.
+
+    The delay counts from the first library moeplan's imports load. Before that the interpreter is still starting
+    (``site``), where a Ctrl-C is Python's own ("Fatal Python error: init_import_site", exit 1): no code of the
+    program runs yet, and a loaded machine stayed there for over 0.1 s."""
     script = Path(sys.executable).with_name("moeplan")
     launcher = subprocess.Popen([str(script), "run", str(pp2 / "plan.yaml"), "--steps", "10000", "--data",
                                  str(pp2 / "tokens.npy")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    stderr = ctrl_c(launcher, lambda: time.sleep(after_s))
+
+    def imports_begun_then_wait():
+        deadline = time.monotonic() + 60
+        while not _site_packages_loaded(launcher.pid):
+            assert launcher.poll() is None and time.monotonic() < deadline, "moeplan's imports did not begin"
+            time.sleep(0.005)
+        time.sleep(after_s)
+
+    stderr = ctrl_c(launcher, imports_begun_then_wait)
     lines = stderr.splitlines()
     assert launcher.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0], stderr
 
