@@ -166,24 +166,31 @@ def dp_collectives(state: PlanState, rank: int) -> list[DpCollective]:
     lay, tgt, spec = state.layout, state.target, state.graph.spec
     assert state.sharding is not None and state.stages is not None
     costs, out = state.sharding.layer_costs, []
-    param_bytes = tgt.dtype_bytes
-    grad_bytes = state_bytes_per_param(param_bytes, state.strategy.precision)[1]
+    grad_bytes = state_bytes_per_param(tgt.dtype_bytes, state.strategy.precision)[1]
     for c, names in enumerate(state.stages.chunks[rank]):
-        stage = state.stages.stage_of(rank, c)
         lcs = [costs[kind_of(spec, x)] for x in names]
-        dense = sum(x.params - x.expert_params for x in lcs)
-        expert = sum(x.expert_params for x in lcs)
-        for params, (group, stride) in zip((dense, expert), step_sync_groups(lay)):
-            if params == 0 or group == 1:
-                continue
-            rs, ag, tier = dp_sync_s(params, group=group, stride=stride, target=tgt, grad_bytes=grad_bytes)
-            bucket = min(params, BUCKET_PARAMS)
-            first = collective_time_s(kind="all_gather", bytes=int(bucket * param_bytes / group), group_size=group,
-                                      tier=tier, target=tgt)
-            out.append(DpCollective("reduce_scatter", stage, rs, tier, params * grad_bytes * (group - 1) / group))
-            out.append(DpCollective("all_gather", stage, ag, tier, params * param_bytes * (group - 1) / group, first))
-        if lay.dp_shard > 1:  # HSDP's replicas all-reduce their shards' gradients
-            out += replica_reductions(lay, tgt, stage, dense, expert, grad_bytes)
+        out += stage_dp_collectives(lay, tgt, state.stages.stage_of(rank, c),
+                                    dense=sum(x.params - x.expert_params for x in lcs),
+                                    expert=sum(x.expert_params for x in lcs), grad_bytes=grad_bytes)
+    return out
+
+
+def stage_dp_collectives(lay: Layout, tgt: Target, stage: int, *, dense: float, expert: float, grad_bytes: int
+                         ) -> list[DpCollective]:
+    """The DP collectives of one stage holding ``dense`` and ``expert`` parameters per device (module docstring):
+    a reduce-scatter and an all-gather per parameter class, and HSDP's replica all-reduces."""
+    out = []
+    for params, (group, stride) in zip((dense, expert), step_sync_groups(lay)):
+        if params == 0 or group == 1:
+            continue
+        rs, ag, tier = dp_sync_s(params, group=group, stride=stride, target=tgt, grad_bytes=grad_bytes)
+        bucket = min(params, BUCKET_PARAMS)
+        first = collective_time_s(kind="all_gather", bytes=int(bucket * tgt.dtype_bytes / group), group_size=group,
+                                  tier=tier, target=tgt)
+        out.append(DpCollective("reduce_scatter", stage, rs, tier, params * grad_bytes * (group - 1) / group))
+        out.append(DpCollective("all_gather", stage, ag, tier, params * tgt.dtype_bytes * (group - 1) / group, first))
+    if lay.dp_shard > 1:  # HSDP's replicas all-reduce their shards' gradients
+        out += replica_reductions(lay, tgt, stage, dense, expert, grad_bytes)
     return out
 
 

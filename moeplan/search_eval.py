@@ -21,7 +21,8 @@ from functools import cached_property
 from multiprocessing import get_context
 from typing import Callable, Iterable, Iterator, Literal
 
-from moeplan.bounds import SPLIT_BACKWARD, PieceSums, floors, layout_bound, piece_sums, plan_bound
+from moeplan.actions import placement_of
+from moeplan.bounds import SPLIT_BACKWARD, PieceSums, dp_floor_s, floors, layout_bound, piece_sums, plan_bound
 from moeplan.compiler import Pipeline, run_pipeline
 from moeplan.cost_models.step import norm_s
 from moeplan.cost_models.timeline import StepExceeded
@@ -292,6 +293,7 @@ def _priced(options: list[tuple[Layout, Strategy, tuple[float, float]]]
     costs: dict[frozenset, ModelCost] = {}  # the options of one shape differ in their overlap sets only
     parts: dict = {}  # so their costs share the layer costs, and the memory parts of them
     sums: dict[tuple, PieceSums] = {}
+    dp_floors: dict[tuple, float] = {}
     opt_floor = norm_s(options[0][0].world_size, target)
     for lay, st, params in options:
         cost = costs.get(st.overlap)
@@ -308,8 +310,15 @@ def _priced(options: list[tuple[Layout, Strategy, tuple[float, float]]]
                     cache[(key, skey[:2])] = floors(lc, st)
                 per_kind[k] = cache[(key, skey[:2])]
             sums[skey] = piece_sums([per_kind[k] for k in slots], st)
-        yield lay, st, params, cost, layout_bound(sums[skey], pp=lay.pp, num_microbatches=lay.num_microbatches,
-                                                  opt_floor_s=opt_floor)
+        overlap_dp = "dp" in st.overlap
+        dkey = (lay.dp, lay.pp, lay.dp_shard, overlap_dp)
+        if dkey not in dp_floors:
+            dp_floors[dkey] = dp_floor_s([layer_prices(graph, k, lay, target, st.dispatcher, cache, st.precision)[1][0]
+                                          for k in counts], lay, target, st)
+        yield lay, st, params, cost, layout_bound(sums[skey], pp=lay.pp, vpp=lay.vpp,
+                                                  v_shape=placement_of(st.schedule) == "v",
+                                                  num_microbatches=lay.num_microbatches, opt_floor_s=opt_floor,
+                                                  dp_floor_s=dp_floors[dkey], overlap_dp=overlap_dp)
 
 
 def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]

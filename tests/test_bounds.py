@@ -7,12 +7,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moeplan.search_eval as search_eval
-from moeplan.bounds import floors, layout_bound, piece_sums, plan_bound, water_level
+from moeplan.actions import placement_of
+from moeplan.bounds import chain_s, dp_floor_s, floors, layout_bound, piece_sums, plan_bound, water_level
 from moeplan.compiler import Pipeline
 from moeplan.cost_models.step import norm_s
 from moeplan.ir import named_layers
 from moeplan.search import Fixed, search
 from moeplan.spec import ModelSpec, load_spec
+from moeplan.state import Segment, Strategy
 from moeplan.targets import load_target
 from moeplan.trace import trace_model
 
@@ -63,9 +65,11 @@ def test_bounds_hold_and_pruning_keeps_the_optimum(case):
         assert bound <= state.prediction.step_time_s * (1 + 1e-9), (state.layout.short(), state.strategy.short())
         per_kind = {k: floors(c, state.strategy) for k, c in state.sharding.layer_costs.items()}
         lay = state.layout
-        assert layout_bound(piece_sums([per_kind[k] for k in slots], state.strategy), pp=lay.pp,
-                            num_microbatches=lay.num_microbatches,
-                            opt_floor_s=norm_s(lay.world_size, tgt)) <= bound * (1 + 1e-9)
+        dp_floor = dp_floor_s([state.sharding.layer_costs[k] for k in set(slots)], lay, tgt, state.strategy)
+        assert layout_bound(piece_sums([per_kind[k] for k in slots], state.strategy), pp=lay.pp, vpp=lay.vpp,
+                            v_shape=placement_of(state.strategy.schedule) == "v", num_microbatches=lay.num_microbatches,
+                            opt_floor_s=norm_s(lay.world_size, tgt), dp_floor_s=dp_floor,
+                            overlap_dp="dp" in state.strategy.overlap) <= bound * (1 + 1e-9)
     exact = _run(spec, target, devices, candidates=None, keep=1)
     best = exact.ranked[0].state
     assert best.prediction.step_time_s == pytest.approx(every.ranked[0].state.prediction.step_time_s, rel=1e-12)
@@ -127,3 +131,19 @@ def test_water_level():
     assert water_level([0.0, 0.0], 4.0) == 2.0
     assert water_level([0.0, 10.0], 4.0) == 4.0  # all the work on the rank with nothing else to do
     assert water_level([1.0, 2.0, 3.0], 3.0) == 3.0
+
+
+def test_chain_counts_the_wait_for_an_asynchronous_collective():
+    """A forward: attention (1 s), the EP dispatch (3 s, asynchronous under shared-expert) beside the shared expert
+    (0.5 s), then the experts (1 s), which read the dispatched tokens. Alone, the part cannot take less than
+    attention → dispatch → experts: 5 s, where the stream floor counts 2.5 s. With the dispatch blocking, every
+    segment queues on the stream: 5.5 s either way."""
+    segs = (Segment("attention", "compute", 1.0),
+            Segment("dispatch", "comm", 3.0, after=(0,), async_by="shared-expert"),
+            Segment("shared_expert", "compute", 0.5, after=(0,)), Segment("experts", "compute", 1.0, after=(1,)))
+    hidden = Strategy(schedule="zero-bubble", overlap=frozenset({"shared-expert"}))
+    blocking = Strategy(schedule="zero-bubble", overlap=frozenset())
+    assert chain_s(segs, hidden) == 5.0
+    assert chain_s(segs, blocking) == 5.5
+    # a chain starts and ends on the stream: a collective nothing on the stream reads after it is not counted
+    assert chain_s(segs[:2], hidden) == 1.0
