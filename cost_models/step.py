@@ -73,7 +73,7 @@ def recompute_segments(cost: LayerCost, mode: Recompute, redo_s: float | None = 
     return ()
 
 
-def _layer_backward(cost: LayerCost, mode: Recompute, *, weight: bool, redo_s: float | None = None
+def layer_backward(cost: LayerCost, mode: Recompute, *, weight: bool, redo_s: float | None = None
                     ) -> tuple[Segment, ...]:
     """A layer's dX segments, preceded by its recompute, and (``weight``) each dW segment right after the last dX
     segment it needs (autograd computes a weight's gradient where it meets the op)."""
@@ -116,14 +116,14 @@ def stage_program(layer_costs: Sequence[LayerCost], mode: Recompute, activation_
     fetch = (Segment("prefetch", "compute", swap_s[1]),) if swap_s[1] > 0 else ()
 
     def backward(weight: bool) -> tuple[Segment, ...]:
-        return compact(concat_segments([fetch] + [_layer_backward(c, mode, weight=weight, redo_s=redo.get(c.kind))
+        return compact(concat_segments([fetch] + [layer_backward(c, mode, weight=weight, redo_s=redo.get(c.kind))
                                                   for c in back]))
 
     return StageProgram(fwd=compact(concat_segments([c.program.fwd for c in layer_costs] + [out])),
                         bwd_input=backward(False),
                         bwd_weight=_one_segment(concat_segments(
                             [c.program.weight_alone for c in back] if weight_pass == "weight-only"
-                            else [_layer_backward(c, "none", weight=True) for c in back])),
+                            else [layer_backward(c, "none", weight=True) for c in back])),
                         backward=backward(True), activation_bytes=activation_bytes)
 
 

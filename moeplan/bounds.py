@@ -13,7 +13,8 @@ what it did not simulate. Every term is something the timeline (cost_models/time
   inputs, a collective once its inputs are there. So from its first to its last segment on the stream it takes at
   least the longest chain of segments each waiting for the one before (:func:`chain_s`; a collective the compute
   waits for counts whole, where the stream floor counts none of an asynchronous one), and such parts of a rank do
-  not overlap on its stream. :func:`plan_bound` takes each stage's chains where they are above its floors.
+  not overlap on its stream. A layer's forward, input-gradient and whole-backward floors are its chains
+  (:func:`floors`); the whole backward as the stage program runs it, each dW right after the dX it needs.
 - **Pipeline fill and drain.** Rank ``r``'s first compute action is a forward of a stage ``s ≥ s_min(r)``, its
   lowest stage (``r`` under both placements), which needs the same micro-batch's forward through every stage below
   it: the rank cannot start before ``head_r``, the forward floors of stages ``0 … s_min(r) − 1``. When its last
@@ -40,21 +41,20 @@ what it did not simulate. Every term is something the timeline (cost_models/time
   under ``dp`` overlap, and once per chunk of the rank without it.
 
 Recompute adds forward work to the backward; :func:`plan_bound` counts the whole-layer mode the memory plan chose
-per rank (none for a per-tensor mode: recompute and swap only add time, so the bound stays one),
-:func:`layout_bound` (before any plan exists) counts none. Without the stage split, :func:`layout_bound` bounds the
-stages below rank ``r`` by the first ``s_min(r)`` pieces (each stage holds at least one) and spreads the work over
-the ranks by water-filling: ``max_r (c_r + w_r)`` over any split ``Σ w_r = W`` is at least the level ``L`` with
-``Σ_r max(0, L − c_r) = W``.
+per rank, or under a per-tensor mode the seconds its decisions re-run and the swap the host link does not hide
+(compute segments of the stage's program); :func:`layout_bound` (before any plan exists) counts none. Without the
+stage split, :func:`layout_bound` bounds the stages below rank ``r`` by the first ``s_min(r)`` pieces (each stage
+holds at least one) and spreads the work over the ranks by water-filling: ``max_r (c_r + w_r)`` over any split
+``Σ w_r = W`` is at least the level ``L`` with ``Σ_r max(0, L − c_r) = W``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
-from moeplan.actions import placement_of, stage_of, stage_rank
 from moeplan.cost_models.memory import MODES, state_bytes_per_param
-from moeplan.cost_models.step import (DpCollective, dp_collectives, optimizer_s, recompute_segments,
-                                      stage_dp_collectives, stage_programs)
+from moeplan.cost_models.step import (DpCollective, dp_collectives, layer_backward, optimizer_s,
+                                      recompute_segments, stage_dp_collectives)
 from moeplan.ir import kind_of
 from moeplan.layout import Layout
 from moeplan.mechanisms import FB_PAIRED
@@ -69,12 +69,14 @@ chain is input gradients only."""
 @dataclass(frozen=True)
 class Floors:
     """One layer for one micro-batch on one device, seconds no simulation of it can beat (module docstring): the
-    compute stream's forward, input-gradient and weight-gradient floors, the redone forward per recompute mode, and
-    the bulk transfers per link tier (forward and backward, without recompute)."""
+    compute stream's forward, input-gradient (``I``), weight-gradient (``W`` alone) and whole-backward (``B``: dX
+    with each dW right after what it needs) floors, the redone forward per recompute mode, and the bulk transfers per
+    link tier (forward and backward, without recompute)."""
 
     fwd: float
     bwd_input: float
     bwd_weight: float
+    backward: float
     redo: dict[str, float]
     intra: float
     inter: float
@@ -115,8 +117,8 @@ def chain_s(segs: Sequence[Segment], strategy: Strategy) -> float:
 
 
 def floors(cost: LayerCost, strategy: Strategy) -> Floors:
-    """:class:`Floors` of one layer's program under ``strategy``: its forward and input-gradient chains
-    (:func:`chain_s`) unless the strategy pairs forwards with backwards (then the stream floors)."""
+    """:class:`Floors` of one layer's program under ``strategy``: its forward, input-gradient and whole-backward
+    chains (:func:`chain_s`) unless the strategy pairs forwards with backwards (then the stream floors)."""
     prog = cost.program
     segs = prog.fwd + prog.bwd_input + prog.bwd_weight
     bulk = [s.comm for s in segs if s.comm is not None and not s.host_sync]
@@ -124,14 +126,21 @@ def floors(cost: LayerCost, strategy: Strategy) -> Floors:
     floor = _stream_s if paired else chain_s
     return Floors(fwd=floor(prog.fwd, strategy), bwd_input=floor(prog.bwd_input, strategy),
                   bwd_weight=_stream_s(prog.bwd_weight, strategy),
+                  backward=floor(layer_backward(cost, "none", weight=True), strategy),
                   redo={m: _stream_s(recompute_segments(cost, m), strategy) for m in MODES},
                   intra=sum(c.busy_s("intra") for c in bulk), inter=sum(c.busy_s("inter") for c in bulk))
 
 
 def _drain(f: Floors, mode: Recompute, split: bool) -> float:
-    """Floor of one layer's backward action on the drain chain: its input gradient (and weight gradient when the
+    """Floor of one layer's backward action on the drain chain: its input gradient (its whole backward when the
     schedule does not split them) with the forward redone before it."""
-    return f.bwd_input + f.redo[mode] + (0.0 if split else f.bwd_weight)
+    return (f.bwd_input if split else f.backward) + f.redo[mode]
+
+
+def _weight(f: Floors, split: bool) -> float:
+    """What a split schedule's backward adds per micro-batch to :func:`_drain`'s input gradient, at least: its
+    weight gradient, or, for a micro-batch whose backward runs whole (``B``), what ``B`` adds to ``I``; 0 unsplit."""
+    return max(0.0, min(f.bwd_weight, f.backward - f.bwd_input)) if split else 0.0
 
 
 def water_level(costs: Sequence[float], work: float) -> float:
@@ -173,12 +182,12 @@ def piece_sums(pieces: Sequence[Floors], strategy: Strategy) -> PieceSums:
         head.append(head[-1] + p.fwd)
         head_tail.append(head_tail[-1] + p.fwd + _drain(p, "none", split))
     fwd = head[-1]
-    work = [p.fwd + p.bwd_input + p.bwd_weight for p in pieces]
+    work = [p.fwd + _drain(p, "none", split) + _weight(p, split) for p in pieces]
     middle = [0.0]
     for w in sorted(work[1:-1]):
         middle.append(middle[-1] + w)
     return PieceSums(head=tuple(head), head_tail=tuple(head_tail),
-                     fi=fwd + sum(p.bwd_input + (0.0 if split else p.bwd_weight) for p in pieces),
+                     fi=fwd + sum(_drain(p, "none", split) for p in pieces),
                      total=sum(work), tiers=(sum(p.intra for p in pieces), sum(p.inter for p in pieces)),
                      first=work[0] if work else 0.0, last=work[-1] if len(work) > 1 else 0.0, middle=tuple(middle))
 
@@ -242,41 +251,36 @@ def plan_bound(state: PlanState) -> float:
     assert state.sharding and state.stages and state.memory
     lay, spec, strategy = state.layout, state.graph.spec, state.strategy
     m, split, pp = lay.num_microbatches, strategy.schedule in SPLIT_BACKWARD, lay.pp
-    placement = placement_of(strategy.schedule)
     per_kind = {k: floors(c, strategy) for k, c in state.sharding.layer_costs.items()}
-    mode = [state.memory.stages[r].recompute for r in range(pp)]
-    stage_f, stage_d = [], []  # per pipeline stage: forward and drain floors
-    chains: list[tuple[float, float, float]] = []  # per pipeline stage: F, I or B, and W chains (unpaired parts)
-    for s in range(pp * lay.vpp):
-        r = stage_rank(s, pp=pp, placement=placement)
-        fl = [per_kind[kind_of(spec, n)] for n in state.stages.stage_layers(s)]
-        stage_f.append(sum(f.fwd for f in fl))
-        stage_d.append(sum(_drain(f, mode[r] if mode[r] in MODES else "none", split) for f in fl))
-    if not ("fb" in strategy.overlap and strategy.schedule in FB_PAIRED):  # every part runs alone: chains
-        programs, _ = stage_programs(state)
-        for pr in programs:
-            f, i, b = (chain_s(pr.phase(k), strategy) for k in "FIB")
-            # a split schedule runs some micro-batches' backward whole (B ≥ its I part): W adds at least the least
-            chains.append((f, i, max(0.0, min(chain_s(pr.phase("W"), strategy), b - i))) if split else (f, b, 0.0))
-        stage_f = [max(f, c[0]) for f, c in zip(stage_f, chains)]
-        stage_d = [max(d, c[1]) for d, c in zip(stage_d, chains)]
+    stage_f = [0.0] * (pp * lay.vpp)  # per pipeline stage: forward and drain floors
+    stage_d = [0.0] * (pp * lay.vpp)
+    fi, weight, fl = [0.0] * pp, [0.0] * pp, [[] for _ in range(pp)]  # per rank: F+I (+W unsplit), W, floors
+    for r in range(pp):
+        mem = state.memory.stages[r]
+        mode = mem.recompute if mem.recompute in MODES else "none"
+        for c, names in enumerate(state.stages.chunks[r]):
+            s = state.stages.stage_of(r, c)
+            layers = [per_kind[kind_of(spec, n)] for n in names]
+            fl[r] += layers
+            # per-tensor modes: the seconds each layer re-runs, and the swap the host link does not hide, are compute
+            # segments of the stage's program (cost_models/step.py stage_program)
+            redo = {d.kind: d.recompute_s for d in mem.decisions if d.chunk == c}
+            out, back = mem.exposed_swap_s[c] if mem.exposed_swap_s else (0.0, 0.0)
+            stage_f[s] = sum(f.fwd for f in layers) + out
+            stage_d[s] = (sum(_drain(f, mode, split) for f in layers) + back
+                          + sum(redo.get(kind_of(spec, n).value, 0.0) for n in names))
+            fi[r] += stage_f[s] + stage_d[s]
+            weight[r] += sum(_weight(f, split) for f in layers)
     overlap_dp = "dp" in strategy.overlap
     opt = [optimizer_s(state, r) for r in range(pp)]
     best = 0.0
     for r in range(pp):
-        fl = [per_kind[kind_of(spec, n)] for chunk in state.stages.chunks[r] for n in chunk]
-        fi = sum(f.fwd + f.bwd_input + f.redo.get(mode[r], 0.0) + (0.0 if split else f.bwd_weight) for f in fl)
-        weight = sum(f.bwd_weight for f in fl) if split else 0.0
-        if chains:
-            own = [stage_of(r, c, pp=pp, placement=placement) for c in range(lay.vpp)]
-            fi = max(fi, sum(stage_f[x] + stage_d[x] for x in own))
-            weight = max(weight, sum(chains[x][2] for x in own))
         head, tail = sum(stage_f[:r]), sum(stage_d[:r])
         dp = dp_collectives(state, r)
         post = opt[r] + (0.0 if overlap_dp else sum(o.time_s for o in dp))
-        tiers = [m * sum(getattr(f, t) for f in fl) + (sum(o.time_s for o in dp if o.tier == t) if overlap_dp
-                                                       else 0.0) for t in ("intra", "inter")]
+        tiers = [m * sum(getattr(f, t) for f in fl[r]) + (sum(o.time_s for o in dp if o.tier == t) if overlap_dp
+                                                          else 0.0) for t in ("intra", "inter")]
         # under dp overlap the reduce-scatters of stage r (the rank's lowest, under both placements) follow it
         own = dp_tail_s([o for o in dp if o.stage == r], overlap=True) + opt[r] if overlap_dp else 0.0
-        best = max(best, head + m * fi + max(tail + opt[0], own), head + m * (fi + weight) + post, *tiers)
+        best = max(best, head + m * fi[r] + max(tail + opt[0], own), head + m * (fi[r] + weight[r]) + post, *tiers)
     return best
