@@ -84,8 +84,23 @@ class StdoutConsole(Console):
         exit_on_broken_pipe()
 
 
+def interrupted(e: BaseException | None) -> bool:
+    """Whether ``e`` is, or was raised by, a Ctrl-C: Python hands some on wrapped (a KeyboardInterrupt inside a class
+    body's ``__set_name__``, while a module such as torch loads, arrives as the RuntimeError it caused)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def exit_on_error(e: Exception, invocation: Invocation) -> NoReturn:
-    """Report ``e`` (the exception being handled) on stderr as the module docstring says, and exit."""
+    """Report ``e`` (the exception being handled) on stderr as the module docstring says, and exit; a Ctrl-C that
+    arrives wrapped (:func:`interrupted`) as :func:`exit_on_interrupt`."""
+    if interrupted(e):
+        exit_on_interrupt(invocation.command)
     if isinstance(e, InfeasibleError):
         err.print(f"error: {one_line(str(e))}", markup=False)
         sys.exit(3)
@@ -132,6 +147,8 @@ class GuardedGroup(TyperGroup):
         except KeyboardInterrupt:  # Ctrl-C before the command's own handling (moeplan run's, once ranks run)
             exit_on_interrupt(ctx.invoked_subcommand)
         except Exception as e:
+            if interrupted(e):
+                exit_on_interrupt(ctx.invoked_subcommand)
             if isinstance(ctx.obj, Invocation) and not hasattr(e, _INVOCATION):
                 setattr(e, _INVOCATION, ctx.obj)
             raise

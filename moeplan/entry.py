@@ -12,7 +12,9 @@ def main() -> None:
     """Import the CLI, then run it (:func:`moeplan.cli.main`)."""
     try:
         from moeplan.cli import main as cli_main
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, RuntimeError) as e:  # a Ctrl-C inside a class body's __set_name__ arrives wrapped
+        if not isinstance(e, KeyboardInterrupt) and not isinstance(e.__cause__, KeyboardInterrupt):
+            raise
         sys.stderr.write("moeplan: interrupted (Ctrl-C) while starting; nothing was written\n")
         sys.exit(INTERRUPTED_EXIT)
     cli_main()

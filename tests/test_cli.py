@@ -94,3 +94,22 @@ def test_edited_plan_refused(tmp_path):
     assert_one_line_error(moeplan("simulate", str(tmp_path / "v.yaml")), 2, "schema_version=7")
     (tmp_path / "a.yaml").write_text(text.replace("- 0F0", "- 0X0", 1))
     assert_one_line_error(moeplan("simulate", str(tmp_path / "a.yaml")), 2, "'0X0' is not an action")
+
+
+def test_a_ctrl_c_python_wraps_is_still_an_interrupt(capsys):
+    """Ctrl-C while a module defines a class whose attribute has ``__set_name__`` (torch's ``Source.guard_source``, a
+    cached_property) reaches moeplan as a RuntimeError caused by the KeyboardInterrupt: CI once saw it reported as an
+    internal error. It ends as any Ctrl-C does: one line, exit 130."""
+    from moeplan.cli_errors import INTERRUPTED_EXIT, Invocation, exit_on_error, interrupted
+
+    class Named:
+        def __set_name__(self, owner, name):
+            raise KeyboardInterrupt
+
+    with pytest.raises(RuntimeError) as caught:
+        type("Source", (), {"guard_source": Named()})
+    assert interrupted(caught.value) and not interrupted(RuntimeError("a bug"))
+    with pytest.raises(SystemExit) as ended:
+        exit_on_error(caught.value, Invocation(command="run"))
+    assert ended.value.code == INTERRUPTED_EXIT
+    assert capsys.readouterr().err.strip() == "moeplan run: interrupted (Ctrl-C); nothing was written"
