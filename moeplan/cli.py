@@ -21,6 +21,7 @@ from moeplan.cli_errors import (GuardedGroup, Invocation, StdoutConsole, err, ex
 from moeplan.cli_options import (OVERLAP_HELP, PIPELINE_HELP, RAY_HELP, choice, expert_load_model, integer, positive,
                                 run_request, strategy_options)
 from moeplan.errors import LayoutError, PlanError
+from moeplan.interrupts import keep_swallowed_interrupts
 
 app = typer.Typer(cls=GuardedGroup, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Compile MoE training jobs into execution plans.")
@@ -654,6 +655,7 @@ def main() -> None:
     # at exit, freeze what is left so the interpreter's last collection does not traverse torch's objects and the
     # compiled plan one by one (0.5-1 s of a compile's wall time on a 2-core machine)
     atexit.register(gc.freeze)
+    keep_swallowed_interrupts()  # already done by the console script (moeplan.entry); not by python -m moeplan.cli
     try:
         app()
     except BrokenPipeError:

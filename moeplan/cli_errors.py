@@ -19,10 +19,12 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn, Optional
 
+import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
 from moeplan.errors import InfeasibleError, MoeplanError
+from moeplan.interrupts import INTERRUPTED_EXIT, interrupted
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 """stderr of the command line: error lines, warnings, progress bars."""
@@ -49,10 +51,6 @@ def warn(line: str) -> None:
 BROKEN_PIPE_EXIT = 141
 """Exit code when stdout's reader went away (``moeplan describe X | head -1``): 128 + SIGPIPE, what a shell reports
 for a program that a closed pipe stopped."""
-
-
-INTERRUPTED_EXIT = 130
-"""Exit code of a command stopped by Ctrl-C: 128 + SIGINT, as a shell reports it."""
 
 
 def exit_on_broken_pipe() -> NoReturn:
@@ -82,18 +80,6 @@ class StdoutConsole(Console):
     def on_broken_pipe(self) -> None:
         self.quiet = True
         exit_on_broken_pipe()
-
-
-def interrupted(e: BaseException | None) -> bool:
-    """Whether ``e`` is, or was raised by, a Ctrl-C: Python hands some on wrapped (a KeyboardInterrupt inside a class
-    body's ``__set_name__``, while a module such as torch loads, arrives as the RuntimeError it caused)."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, KeyboardInterrupt):
-            return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def exit_on_error(e: Exception, invocation: Invocation) -> NoReturn:
@@ -146,6 +132,8 @@ class GuardedGroup(TyperGroup):
             exit_on_broken_pipe()
         except KeyboardInterrupt:  # Ctrl-C before the command's own handling (moeplan run's, once ranks run)
             exit_on_interrupt(ctx.invoked_subcommand)
+        except typer.Exit:  # the command's own exit code (moeplan run's 130 after its line on a Ctrl-C), as it is
+            raise
         except Exception as e:
             if interrupted(e):
                 exit_on_interrupt(ctx.invoked_subcommand)

@@ -1,5 +1,7 @@
 """The CLI contract: one-line errors with exit 2 (bad input) or 3 (infeasible), nothing written on failure."""
 import json
+import subprocess
+import sys
 
 import pytest
 from inprocess import run_moeplan
@@ -100,7 +102,8 @@ def test_a_ctrl_c_python_wraps_is_still_an_interrupt(capsys):
     """Ctrl-C while a module defines a class whose attribute has ``__set_name__`` (torch's ``Source.guard_source``, a
     cached_property) reaches moeplan as a RuntimeError caused by the KeyboardInterrupt: CI once saw it reported as an
     internal error. It ends as any Ctrl-C does: one line, exit 130."""
-    from moeplan.cli_errors import INTERRUPTED_EXIT, Invocation, exit_on_error, interrupted
+    from moeplan.cli_errors import Invocation, exit_on_error
+    from moeplan.interrupts import INTERRUPTED_EXIT, interrupted
 
     class Named:
         def __set_name__(self, owner, name):
@@ -113,3 +116,63 @@ def test_a_ctrl_c_python_wraps_is_still_an_interrupt(capsys):
         exit_on_error(caught.value, Invocation(command="run"))
     assert ended.value.code == INTERRUPTED_EXIT
     assert capsys.readouterr().err.strip() == "moeplan run: interrupted (Ctrl-C); nothing was written"
+
+
+def test_a_ctrl_c_the_command_handled_keeps_its_one_line_and_exit(capsys):
+    """``moeplan run`` turns a Ctrl-C during the launch into RunInterrupted (``raise ... from None``), prints its line
+    and exits 130 with typer.Exit. The error report took that Exit, whose context chain reaches the KeyboardInterrupt,
+    for an unhandled Ctrl-C and printed a second line ("moeplan run: interrupted (Ctrl-C); nothing was written")."""
+    import typer
+
+    from moeplan.cli_errors import GuardedGroup, err
+
+    app = typer.Typer(cls=GuardedGroup, add_completion=False)
+
+    @app.command("run")
+    def run() -> None:
+        try:
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                raise RuntimeError("interrupted by SIGINT; every rank was stopped") from None
+        except RuntimeError as e:
+            err.print(f"moeplan run: {e}")
+            raise typer.Exit(130)
+
+    @app.command("other")
+    def other() -> None:
+        pass
+
+    with pytest.raises(SystemExit) as ended:
+        app(["run"])
+    assert ended.value.code == 130
+    assert capsys.readouterr().err.splitlines() == ["moeplan run: interrupted by SIGINT; every rank was stopped"]
+
+
+SWALLOWED = """
+import gc, sys, time, weakref
+from moeplan.interrupts import keep_swallowed_interrupts
+if sys.argv[1] == "guarded":
+    keep_swallowed_interrupts()
+class Lock: pass
+def callback(ref):
+    raise KeyboardInterrupt  # what SIGINT does when it lands in importlib's module-lock callback
+lock = Lock(); ref = weakref.ref(lock, callback)
+try:
+    del lock
+    for _ in range(10000):  # the command goes on
+        time.sleep(0.0001)
+    print("went on")
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+@pytest.mark.parametrize("mode, says", [("guarded", "interrupted"), ("python", "went on")])
+def test_a_ctrl_c_python_swallows_still_ends_the_command(mode, says):
+    """A Ctrl-C that lands in a weakref callback (CI: importlib's ``_get_module_lock`` callback while torch loaded)
+    is "Exception ignored" by Python, and ``moeplan run`` trained on. With moeplan's hook it reaches the main flow as
+    a KeyboardInterrupt; without it (the control) the program goes on."""
+    proc = subprocess.run([sys.executable, "-c", SWALLOWED, mode], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == says, proc.stderr
+    assert ("Exception ignored" in proc.stderr) == (mode == "python"), proc.stderr

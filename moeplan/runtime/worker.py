@@ -19,26 +19,18 @@ prints the one line.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
-import time
-import traceback
-import warnings
-from dataclasses import dataclass, replace
-from datetime import timedelta
-from pathlib import Path
-from typing import Callable
 
 
 def exit_on_interrupt(before_exit: Callable[[], None] | None = None) -> None:
     """Make SIGINT end this process at once with exit code 130 (128 + SIGINT) and no traceback, after
     ``before_exit`` (rank 0 restores the terminal under its progress bar).
 
-    Ctrl-C sends SIGINT to every process of the terminal's foreground group: the launcher and every rank. A rank
-    that raised KeyboardInterrupt would print a traceback, and its peers, whose collectives then break, another
-    each; the launcher alone reports the interrupt. Python runs the handler between bytecodes, so a rank blocked in
+    Ctrl-C sends SIGINT to the terminal's foreground group, which holds the launcher (``moeplan run`` or torchrun);
+    its elastic agent then sends the same signal to every rank, each of which torch starts in a session of its own.
+    A rank that raised KeyboardInterrupt would print a traceback, and its peers, whose collectives then break,
+    another each; the launcher alone reports the interrupt. Python runs the handler between bytecodes, so a rank blocked in
     a collective exits when the collective returns, at the latest when its peers' exits break it. What was written
     stays consistent: a checkpoint is published by a rename (moeplan.runtime.checkpoint), a metrics line by one
     ``write`` call.
@@ -51,8 +43,18 @@ def exit_on_interrupt(before_exit: Callable[[], None] | None = None) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-if __name__ == "__main__":  # a rank: a Ctrl-C while the imports below load (seconds) must be quiet as well
-    exit_on_interrupt()
+if __name__ == "__main__":  # a rank: a Ctrl-C while the imports below load (seconds) must be quiet as well; only
+    exit_on_interrupt()  # os and signal load before it (the interpreter's own start, ~20 ms, is Python's to handle)
+
+import json
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
