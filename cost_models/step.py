@@ -36,6 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
+
+from moeplan.cost_models import timeline_core
 from moeplan.cost_models.comm import collective_time_s, group_tier
 from moeplan.cost_models.memory import fsdp_reshards, saved_bytes, state_bytes_per_param
 from moeplan.cost_models.timeline_types import (RunSettings, StageProgram, Timeline, compact, concat_segments)
@@ -245,20 +248,10 @@ def adam_s(owned_params: float, target: Target) -> float:
                                                                             * target.efficiency.memory)
 
 
-def _fill(start: float, need: float, busy: Sequence[tuple[float, float]]) -> float:
+def _fill(start: float, need: float, busy: tuple[np.ndarray, np.ndarray]) -> float:
     """End time of ``need`` seconds of work that starts at ``start`` and uses only the gaps between ``busy``
-    intervals (sorted, non-overlapping)."""
-    t = start
-    for a, b in busy:
-        if b <= t:
-            continue
-        if a > t:
-            gap = a - t
-            if gap >= need:
-                return t + need
-            need -= gap
-        t = max(t, b)
-    return t + need
+    intervals (their starts and ends, sorted by start)."""
+    return float(timeline_core.fill(start, need, *busy))
 
 
 def dp_exposure(ops: Sequence[DpCollective], *, tl: Timeline, rank: int, overlap: bool) -> tuple[float, float]:
@@ -267,7 +260,10 @@ def dp_exposure(ops: Sequence[DpCollective], *, tl: Timeline, rank: int, overlap
     end = tl.rank_end_s[rank]
     if not overlap:
         return sum(o.time_s for o in ops), 0.0
-    busy = {t: sorted(v) for t, v in tl.tier_busy[rank].items()}
+    busy = {}
+    for t, v in tl.tier_busy[rank].items():  # by start, then end
+        v = v[np.lexsort((v[:, 1], v[:, 0]))]
+        busy[t] = (np.ascontiguousarray(v[:, 0]), np.ascontiguousarray(v[:, 1]))
     free = {t: 0.0 for t in busy}
     wait = 0.0
     for o in sorted((o for o in ops if o.kind == "all_gather"), key=lambda o: tl.first_forward_s[rank].get(o.stage,

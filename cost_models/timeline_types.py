@@ -9,8 +9,9 @@ Outputs: :class:`Timeline`, the simulated step, with an :class:`Event` per execu
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from types import MappingProxyType
-from typing import Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from moeplan.errors import PlanError
 from moeplan.state import Segment, Tier
@@ -172,13 +173,32 @@ def overlap_rate_of(exposed: float, total: float) -> float | None:
     return round(1 - exposed / total, 12) + 0.0 if total > 0 else None
 
 
+class Records(NamedTuple):
+    """What :attr:`Timeline.events` and :attr:`Timeline.segment_events` are built from when first read (most
+    callers need neither): per event ``(rank, text id, stream)`` and ``(start, end)`` rows, stream 0 for compute and
+    1 for a SEND, then each RECV as ``(rank, text id)`` with the SEND it spans; per segment event ``(rank, text id,
+    program, index)`` and ``(start, end)``; the texts; each program's segments."""
+
+    events: Any
+    event_times: Any
+    recvs: Any
+    recv_times: Any
+    segments: Any
+    segment_times: Any
+    texts: Sequence[str]
+    programs: Sequence[Sequence[Segment]]
+
+
 @dataclass(frozen=True)
 class Timeline:
     """Result of :func:`simulate`; per-rank tuples are indexed by PP rank (see the module docstring).
 
     ``rank_end_s``: when each rank's last event ends; ``step_time_s`` is their max. ``exposed_comm_s``: per comm
     class, exposed seconds averaged over ranks (as ``bubble`` is), with the ``pp`` key always present.
-    ``tier_busy``: per rank and tier, the (start, end) intervals its collectives hold the tier, in order.
+    ``tier_busy``: per rank and tier, the (start, end) intervals its collectives hold the tier, in order, as a
+    float array of shape (n, 2). ``events`` (an :class:`Event` per executed action) and ``segment_events`` (a
+    :class:`SegmentEvent` per segment, with ``simulate(..., detail=True)``) are built from ``records`` when first
+    read.
     """
 
     step_time_s: float
@@ -190,11 +210,35 @@ class Timeline:
     comm: Mapping[str, CommStats]
     comm_per_rank: tuple[Mapping[str, CommStats], ...]
     host_wait_s: tuple[float, ...]
-    tier_busy: tuple[Mapping[str, tuple[tuple[float, float], ...]], ...]
+    tier_busy: tuple[Mapping[str, Any], ...]
     first_forward_s: tuple[Mapping[int, float], ...]  # per rank: stage -> start of its first forward
     last_backward_end_s: tuple[Mapping[int, float], ...]  # per rank: stage -> end of its last backward
-    events: tuple[Event, ...]
-    segment_events: tuple[SegmentEvent, ...] = ()
+    records: Records = field(repr=False, compare=False)
+
+    @cached_property
+    def events(self) -> tuple[Event, ...]:
+        """Every executed action, in the order the simulation finished them, then the RECVs."""
+        rec, streams = self.records, ("compute", "comm")
+        out = [Event(r, rec.texts[t], streams[k], a, b)
+               for (r, t, k), (a, b) in zip(rec.events.tolist(), rec.event_times.tolist())]
+        out += [Event(r, rec.texts[t], "recv", a, b)
+                for (r, t), (a, b) in zip(rec.recvs.tolist(), rec.recv_times.tolist())]
+        return tuple(out)
+
+    @cached_property
+    def segment_events(self) -> tuple[SegmentEvent, ...]:
+        """Every segment, in the order it was scheduled (empty unless ``simulate(..., detail=True)``)."""
+        rec = self.records
+        streams: dict[tuple[int, int], str] = {}
+        out = []
+        for (r, t, g, i), (a, b) in zip(rec.segments.tolist(), rec.segment_times.tolist()):
+            s = rec.programs[g][i]
+            stream = streams.get((g, i))
+            if stream is None:
+                stream = streams[(g, i)] = "compute" if s.kind == "compute" else "+".join(
+                    tier for tier in TIERS if s.comm is not None and s.comm.busy_s(tier) > 0)
+            out.append(SegmentEvent(r, rec.texts[t], i, s.name, stream, a, b))
+        return tuple(out)
 
     @property
     def exposed_comm_s(self) -> Mapping[str, float]:

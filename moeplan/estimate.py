@@ -19,7 +19,7 @@ from moeplan.cost_models.memory import (MODES, LayerParts, Overheads, RankParts,
                                         parts_on, state_bytes_per_param)
 from moeplan.cost_models.sharding import layer_cost
 from moeplan.cost_models.step import adam_s, beside_compute, dp_sync_s, owned_params, recompute_work, replica_reductions, step_sync_groups
-from moeplan.cost_models.timeline import action_time_s
+from moeplan.cost_models.timeline import action_times_s
 from moeplan.cost_models.timeline_types import concat_segments
 from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout
@@ -99,13 +99,14 @@ def _kind_prices(key: tuple, prog: LayerProgram, target: Target, overlap: frozen
     used = overlap & ({s.async_by for s in prog.fwd + prog.bwd_input} | {"fb"})
     if ("timeline", key, used) not in cache:
         settings = beside_compute(target, overlap)
-        lf, li, lw = (action_time_s([x], settings) for x in (prog.fwd, prog.bwd_input, prog.weight_alone))
+        alone = [[prog.fwd], [prog.bwd_input], [prog.weight_alone]]
         if "fb" in overlap:  # t(n): a pair of n layers; the increment from 2 to 4 layers, past the first's transient
-            two, four = (action_time_s([concat_segments([prog.fwd] * n), concat_segments([prog.backward] * n)],
-                                       settings) for n in (2, 4))
+            lf, li, lw, two, four = action_times_s(alone + [
+                [concat_segments([prog.fwd] * n), concat_segments([prog.backward] * n)] for n in (2, 4)], settings)
             step = (four - two) / 2
             cache[("timeline", key, used)] = (lf, li, lw, step, two - 2 * step)
         else:  # without fb a pair is its forward, then its backward
+            lf, li, lw = action_times_s(alone, settings)
             cache[("timeline", key, used)] = (lf, li, lw, lf + li + lw, 0.0)
     comms = [x.comm for x in prog.bwd_input + prog.bwd_weight if x.comm is not None]
     return (*cache[("timeline", key, used)], {t: sum(c.busy_s(t) for c in comms) for t in ("intra", "inter")})

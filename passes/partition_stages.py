@@ -42,7 +42,7 @@ import numpy as np
 
 from moeplan.actions import Placement, placement_of, stage_of, stage_rank
 from moeplan.cost_models.step import beside_compute
-from moeplan.cost_models.timeline import action_time_s
+from moeplan.cost_models.timeline import action_times_s
 from moeplan.cost_models.timeline_types import RunSettings
 from moeplan.errors import LayoutError
 from moeplan.ir import LayerKind, named_layers
@@ -66,7 +66,8 @@ def piece_time_s(cost: LayerCost, settings: RunSettings = RunSettings(mechanisms
         tiers = [sum(c.busy_s(t) for c in comms) for t in ("intra", "inter")]
         compute = sum(x.seconds for x in segs if x.kind == "compute")
         return max(compute + settings.compute_slowdown * min(compute, max(tiers)), *tiers)
-    return action_time_s([prog.fwd], settings) + action_time_s([prog.backward], settings)
+    forward, backward = action_times_s([[prog.fwd], [prog.backward]], settings)
+    return forward + backward
 
 
 @dataclass(frozen=True)

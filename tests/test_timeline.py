@@ -1,13 +1,15 @@
 """Timeline simulator: closed forms (docs/references.md §4.3), hand-derived overlap cases, DAG references, broken schedules."""
 import random
+from typing import NamedTuple
 
 import networkx as nx
+import numpy as np
 import pytest
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
 from moeplan.actions import parse_action
 from moeplan.cost_models.timeline import action_time_s, simulate
-from moeplan.cost_models.timeline_sched import _slowdown_s
+from moeplan.cost_models import timeline_core
 from moeplan.cost_models.timeline_types import RunSettings, StageProgram, concat_segments
 from moeplan.errors import PlanError
 from moeplan.passes.schedule import build_actions, interleaved_1f1b, max_in_flight, one_f_one_b
@@ -257,13 +259,30 @@ def test_a_collective_kind_with_its_own_slowdown_uses_it():
     assert own - base == pytest.approx(0.2) and other == pytest.approx(base)
 
 
+class _InFlight(NamedTuple):  # the part of the loop's State that the slow-down reads
+    infl: np.ndarray
+    infl_off: np.ndarray
+    infl_n: np.ndarray
+
+
+def _slowdown_s(start, end, intervals):
+    """The loop's slow-down of a compute segment over [start, end] beside ``intervals`` (begin, end, σ), and the
+    intervals it keeps."""
+    st = _InFlight(np.array(intervals or [(0.0, 0.0, 0.0)], float), np.zeros(1, np.int64),
+                   np.array([len(intervals)], np.int64))
+    extra = timeline_core._slowdown(st, 0, start, end, np.zeros(2 + 2 * len(intervals)))
+    return extra, [tuple(x) for x in st.infl[:st.infl_n[0]].tolist()]
+
+
 def test_overlapping_collectives_slow_compute_by_the_largest_slowdown():
     """Two collectives in flight at once count once, at the larger σ: [0, 2] at 0.5 and [1, 3] at 1.0 over a 4 s
     segment: 1 s at 0.5, then 2 s at 1.0."""
-    assert _slowdown_s(0.0, 4.0, [(0.0, 2.0, 0.5), (1.0, 3.0, 1.0)]) == pytest.approx(0.5 + 2.0)
-    assert _slowdown_s(0.0, 4.0, [(0.0, 2.0, 0.5)]) == pytest.approx(1.0)
-    intervals = [(-2.0, -1.0, 1.0), (3.5, 9.0, 0.2)]  # the first ended before the segment: pruned
-    assert _slowdown_s(0.0, 4.0, intervals) == pytest.approx(0.1) and len(intervals) == 1
+    assert _slowdown_s(0.0, 4.0, [(0.0, 2.0, 0.5), (1.0, 3.0, 1.0)])[0] == pytest.approx(0.5 + 2.0)
+    assert _slowdown_s(0.0, 4.0, [(0.0, 2.0, 0.5)])[0] == pytest.approx(1.0)
+    # the first ended before the segment: pruned
+    assert _slowdown_s(0.0, 4.0, [(-2.0, -1.0, 1.0), (3.5, 9.0, 0.2)]) == (pytest.approx(0.1), [(3.5, 9.0, 0.2)])
+    # cuts at every interval end inside the segment: [0, 1] at 0.3, [1, 1.5] at 0.5, [1.5, 2] at 0.3
+    assert _slowdown_s(0.0, 2.0, [(0.0, 2.0, 0.3), (1.0, 1.5, 0.5)])[0] == pytest.approx(0.3 + 0.25 + 0.15)
 
 
 def test_priority_transfer_does_not_queue_behind_bulk():
