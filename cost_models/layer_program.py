@@ -531,11 +531,11 @@ def with_fsdp(prog: LayerProgram, gathers: Sequence[CommOp], scatters: Sequence[
     def prepend(segs: tuple[Segment, ...], phase: str) -> tuple[Segment, ...]:
         head = tuple(Segment(f"fsdp_gather_{i}", "comm", c.time_s, comm=replace(c, phase=phase), kernels=1,
                              async_by="native") for i, c in enumerate(gathers))
-        return head + tuple(replace(s, after=tuple(a + len(head) for a in s.after)) for s in segs)
+        return head + tuple(s.with_after(tuple(a + len(head) for a in s.after)) for s in segs)
 
     fwd, bwd = prepend(prog.fwd, "fwd"), prepend(prog.bwd_input, "bwd")
     shift = len(bwd) - len(prog.bwd_input)
-    weight = tuple(replace(s, after=tuple(a + shift for a in s.after)) for s in prog.bwd_weight)
+    weight = tuple(s.with_after(tuple(a + shift for a in s.after)) for s in prog.bwd_weight)
     last = (len(bwd) - 1,) if bwd else ()
     bwd += tuple(Segment(f"fsdp_scatter_{i}", "comm", c.time_s, after=last, comm=c, kernels=1, async_by="native")
                  for i, c in enumerate(scatters))

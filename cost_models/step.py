@@ -85,7 +85,7 @@ def layer_backward(cost: LayerCost, mode: Recompute, *, weight: bool, redo_s: fl
     if not weight:
         return dx
     shift = len(dx) - len(cost.program.bwd_input)
-    weights = [replace(s, after=tuple(i + shift for i in s.after)) for s in cost.program.bwd_weight]
+    weights = [s.with_after(tuple(i + shift for i in s.after)) for s in cost.program.bwd_weight]
     at: dict[int, list[Segment]] = {}
     for w in weights:
         at.setdefault(max(w.after, default=len(dx) - 1), []).append(w)
@@ -94,7 +94,7 @@ def layer_backward(cost: LayerCost, mode: Recompute, *, weight: bool, redo_s: fl
         new_index[i] = len(out)
         out.append(s)
         out += at.get(i, [])
-    return tuple(replace(s, after=tuple(new_index[j] for j in s.after)) for s in out)
+    return tuple(s.with_after(tuple(new_index[j] for j in s.after)) for s in out)
 
 
 def _one_segment(segs: Sequence[Segment]) -> tuple[Segment, ...]:

@@ -78,7 +78,7 @@ def concat_segments(parts: Sequence[Sequence[Segment]]) -> tuple[Segment, ...]:
             after = tuple(i + base for i in s.after) if base else s.after
             if j == 0 and tail:
                 after = tuple(sorted(set(after) | set(tail)))
-            out.append(s if after == s.after else replace(s, after=after))
+            out.append(s if after == s.after else s.with_after(after))
     return tuple(out)
 
 
@@ -96,7 +96,7 @@ def compact(segs: Sequence[Segment]) -> tuple[Segment, ...]:
             out[-1] = replace(prev, name=f"{prev.name}+{s.name}", seconds=prev.seconds + s.seconds,
                               kernels=prev.kernels + s.kernels)
         else:
-            out.append(replace(s, after=after))
+            out.append(s.with_after(after))
         where.append(len(out) - 1)
     return tuple(out)
 

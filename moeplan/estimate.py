@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from moeplan.actions import Placement, placement_of, stage_of, stage_rank
 from moeplan.cost_models.memory import (MODES, LayerParts, Overheads, RankParts, layer_parts, layout_states, overheads,
@@ -20,13 +20,13 @@ from moeplan.cost_models.memory import (MODES, LayerParts, Overheads, RankParts,
 from moeplan.cost_models.sharding import layer_cost
 from moeplan.cost_models.step import adam_s, beside_compute, dp_sync_s, owned_params, recompute_work, replica_reductions, step_sync_groups
 from moeplan.cost_models.timeline import action_times_s
-from moeplan.cost_models.timeline_types import concat_segments
+from moeplan.cost_models.timeline_types import RunSettings, concat_segments
 from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout
 from moeplan.mechanisms import FB_PAIRED
-from moeplan.passes.partition_stages import SLOT_KINDS, piece_time_s, split_runs
+from moeplan.passes.partition_stages import SLOT_KINDS, piece_times_s, split_runs
 from moeplan.passes.schedule import in_flight_by_rank
-from moeplan.state import Dispatcher, LayerCost, LayerProgram, Precision, ScheduleKind, StageMemory, Strategy
+from moeplan.state import Dispatcher, LayerCost, LayerProgram, Precision, ScheduleKind, Segment, StageMemory, Strategy
 from moeplan.targets import Target
 
 @dataclass(frozen=True)
@@ -72,15 +72,18 @@ def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Di
     piece: dict[LayerKind, float] = {}
     kinds = ([LayerKind.EMPTY] if LayerKind.EMPTY in graph.layers else []) + list(counts)  # the partition may pad
     prices = {kind: layer_prices(graph, kind, layout, target, dispatcher, cache, precision) for kind in kinds}
+    settings = beside_compute(target, overlap)
+    todo = {kind: priced[0] for kind, (key, priced) in prices.items() if ("piece", key, overlap) not in cache}
+    for kind, secs in zip(todo, piece_times_s(list(todo.values()), settings)):
+        cache[("piece", prices[kind][0], overlap)] = secs
     for kind, (key, priced) in prices.items():  # chunks with empty layers
         layers[kind] = priced[0]
-        if ("piece", key, overlap) not in cache:
-            cache[("piece", key, overlap)] = piece_time_s(priced[0], beside_compute(target, overlap))
         piece[kind] = cache[("piece", key, overlap)]
+    _timeline_prices([prices[k] for k in counts], settings, overlap, cache)
     for kind, n in counts.items():
         key, priced = prices[kind]
         if ("kind", key, overlap) not in cache:
-            cache[("kind", key, overlap)] = _kind_prices(key, priced[0].program, target, overlap, cache)
+            cache[("kind", key, overlap)] = _kind_prices(key, priced[0].program, overlap, cache)
         lf, li, lw, lp, edges[kind], lbusy = cache[("kind", key, overlap)]
         f, i, w, pair = f + n * lf, i + n * li, w + n * lw, pair + n * lp
         for tier, secs in lbusy.items():
@@ -91,25 +94,49 @@ def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Di
                      {} if memory_parts is None else memory_parts)
 
 
-def _kind_prices(key: tuple, prog: LayerProgram, target: Target, overlap: frozenset, cache: dict
+def _used(prog: LayerProgram, overlap: frozenset) -> frozenset:
+    """The mechanisms of ``overlap`` a layer's timeline prices depend on: those its collectives name (``async_by``),
+    and fb."""
+    return overlap & ({s.async_by for s in prog.fwd + prog.bwd_input} | {"fb"})
+
+
+def _timeline_prices(priced: list[tuple[tuple, tuple[LayerCost, dict[str, float]]]], settings: RunSettings,
+                     overlap: frozenset, cache: dict) -> None:
+    """Fill ``cache[("timeline", key, used)]`` (:func:`_kind_prices`) for each ``(key, (layer cost, _))`` of
+    ``priced`` that lacks it, the timeline run once for them all: (forward, input gradient, weight gradient, pair
+    increment, pair edge) seconds. Under fb, t(n) is a pair of n layers; the increment is half the step from 2 to 4
+    layers, past the first's transient."""
+    fb = "fb" in overlap
+    todo: dict[tuple, LayerProgram] = {}
+    for key, (lc, _) in priced:
+        entry = ("timeline", key, _used(lc.program, overlap))
+        if entry not in cache:
+            todo[entry] = lc.program
+    actions: list[list[Sequence[Segment]]] = []
+    for prog in todo.values():
+        actions += [[prog.fwd], [prog.bwd_input], [prog.weight_alone]]
+        if fb:
+            actions += [[concat_segments([prog.fwd] * n), concat_segments([prog.backward] * n)] for n in (2, 4)]
+    times = action_times_s(actions, settings) if actions else []
+    width = 5 if fb else 3
+    for j, entry in enumerate(todo):
+        lf, li, lw, *pairs = times[j * width:(j + 1) * width]
+        if fb:
+            two, four = pairs
+            step = (four - two) / 2
+            cache[entry] = (lf, li, lw, step, two - 2 * step)
+        else:  # without fb a pair is its forward, then its backward
+            cache[entry] = (lf, li, lw, lf + li + lw, 0.0)
+
+
+def _kind_prices(key: tuple, prog: LayerProgram, overlap: frozenset, cache: dict
                  ) -> tuple[float, float, float, float, float, dict[str, float]]:
     """One layer's (forward, input gradient, weight gradient, pair increment, pair edge, backward busy seconds per
     link tier) under ``overlap`` (:func:`model_cost`). The timeline prices depend only on the mechanisms the
-    layer's collectives name (``async_by``) and on fb, so they are kept per those."""
-    used = overlap & ({s.async_by for s in prog.fwd + prog.bwd_input} | {"fb"})
-    if ("timeline", key, used) not in cache:
-        settings = beside_compute(target, overlap)
-        alone = [[prog.fwd], [prog.bwd_input], [prog.weight_alone]]
-        if "fb" in overlap:  # t(n): a pair of n layers; the increment from 2 to 4 layers, past the first's transient
-            lf, li, lw, two, four = action_times_s(alone + [
-                [concat_segments([prog.fwd] * n), concat_segments([prog.backward] * n)] for n in (2, 4)], settings)
-            step = (four - two) / 2
-            cache[("timeline", key, used)] = (lf, li, lw, step, two - 2 * step)
-        else:  # without fb a pair is its forward, then its backward
-            lf, li, lw = action_times_s(alone, settings)
-            cache[("timeline", key, used)] = (lf, li, lw, lf + li + lw, 0.0)
+    layer's collectives name and on fb, so they are kept per those (:func:`_timeline_prices` fills them)."""
     comms = [x.comm for x in prog.bwd_input + prog.bwd_weight if x.comm is not None]
-    return (*cache[("timeline", key, used)], {t: sum(c.busy_s(t) for c in comms) for t in ("intra", "inter")})
+    return (*cache[("timeline", key, _used(prog, overlap))],
+            {t: sum(c.busy_s(t) for c in comms) for t in ("intra", "inter")})
 
 
 def layer_prices(graph: ModelGraph, kind: LayerKind, layout: Layout, target: Target, dispatcher: Dispatcher,

@@ -138,6 +138,15 @@ class Segment:
     host_sync: bool = False
     deferrable: bool = False  # a weight-gradient segment: may run any time after what it needs (zero-bubble's W)
 
+    def with_after(self, after: tuple[int, ...]) -> "Segment":
+        """This segment waiting for ``after`` instead: ``dataclasses.replace(self, after=after)`` without its
+        generic path (re-validating every field), which dominated the layout search's pricing of layer
+        sequences."""
+        new = object.__new__(Segment)
+        new.__dict__.update(self.__dict__)
+        new.__dict__["after"] = after
+        return new
+
 
 @dataclass(frozen=True)
 class LayerProgram:
@@ -158,7 +167,7 @@ class LayerProgram:
     @property
     def weight_alone(self) -> tuple[Segment, ...]:
         """The dW segments as a separate W action (its I has run: no dependencies left)."""
-        return tuple(replace(s, after=()) for s in self.bwd_weight)
+        return tuple(s.with_after(()) for s in self.bwd_weight)
 
 
 @dataclass(frozen=True)

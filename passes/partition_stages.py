@@ -59,15 +59,23 @@ def piece_time_s(cost: LayerCost, settings: RunSettings = RunSettings(mechanisms
     long as its collectives can run beside it, or one link tier's collectives. Otherwise its forward and its
     backward on an idle rank, one after the other. The default settings overlap nothing: compute plus every
     collective."""
-    prog = cost.program
+    return piece_times_s([cost], settings)[0]
+
+
+def piece_times_s(costs: Sequence[LayerCost], settings: RunSettings = RunSettings(mechanisms=frozenset())
+                  ) -> list[float]:
+    """:func:`piece_time_s` of each cost, the timeline run once for them all."""
     if "fb" in settings.mechanisms:
-        segs = prog.fwd + prog.backward
-        comms = [x.comm for x in segs if x.comm is not None]
-        tiers = [sum(c.busy_s(t) for c in comms) for t in ("intra", "inter")]
-        compute = sum(x.seconds for x in segs if x.kind == "compute")
-        return max(compute + settings.compute_slowdown * min(compute, max(tiers)), *tiers)
-    forward, backward = action_times_s([[prog.fwd], [prog.backward]], settings)
-    return forward + backward
+        out = []
+        for cost in costs:
+            segs = cost.program.fwd + cost.program.backward
+            comms = [x.comm for x in segs if x.comm is not None]
+            tiers = [sum(c.busy_s(t) for c in comms) for t in ("intra", "inter")]
+            compute = sum(x.seconds for x in segs if x.kind == "compute")
+            out.append(max(compute + settings.compute_slowdown * min(compute, max(tiers)), *tiers))
+        return out
+    times = action_times_s([a for c in costs for a in ([c.program.fwd], [c.program.backward])], settings)
+    return [times[2 * i] + times[2 * i + 1] for i in range(len(costs))]
 
 
 @dataclass(frozen=True)
@@ -215,7 +223,7 @@ class PartitionStagesPass:
         layers = named_layers(state.graph.spec)
         costs = state.sharding.layer_costs
         settings = beside_compute(state.target, state.strategy.overlap)
-        per_kind = {k: piece_time_s(c, settings) for k, c in costs.items()}
+        per_kind = dict(zip(costs, piece_times_s(list(costs.values()), settings)))
         times = [per_kind[k] for _, k in layers]
         slots = [int(k in SLOT_KINDS) for _, k in layers]
         placement = placement_of(state.strategy.schedule)
