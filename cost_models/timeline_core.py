@@ -673,13 +673,7 @@ def schedule_parts(pg, ac, st, pt, cfg, r, parts, carry, S, M):
             end = pt.host[p]
         st.rf[r, BUSY] += end - start
         free = end
-        pt.ends[p, i] = end
-        if pt.start[p] < 0:
-            pt.start[p] = start
-        if end > pt.end[p]:
-            pt.end[p] = end
-        if detail:
-            _seg_event(st, r, pt.label[p], pt.prog[p], i, start, end)
+        _mark(st, pt, r, p, i, start, end, detail)
     st.rf[r, FREE] = free
     hmax = st.rf[r, HOST]
     for q in range(nparts):
