@@ -313,14 +313,39 @@ def train(plan: Plan, request: RunRequest, *, device: torch.device,
     return records
 
 
+class _WholeLines:
+    """A text stream that passes on whole lines only, each in one write: rich ends its last render with a second
+    write ("\\n"), and a launcher's error printed, or a SIGTERM arriving, between the two glued the error onto the
+    unfinished progress line. A partial line is dropped at exit, never half-written."""
+
+    def __init__(self, stream) -> None:
+        self._stream, self._held = stream, ""
+
+    def write(self, text: str) -> int:
+        lines, newline, self._held = (self._held + text).rpartition("\n")
+        if newline:
+            self._stream.write(lines + newline)
+            self._stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        """Nothing: a partial line waits for its end."""
+
+    def isatty(self) -> bool:
+        return False
+
+
 def _progress(total: int, start: int):
     """A rich progress bar on stderr (loss, step time, tokens/s) and the per-step update function. On a terminal
-    it redraws in place; otherwise rich prints its last state once, when it stops."""
+    it redraws in place; otherwise rich prints its last state once, when it stops, as one whole line."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        console = Console(file=_WholeLines(sys.stderr))
     progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
-                        TimeRemainingColumn(), console=Console(stderr=True))
+                        TimeRemainingColumn(), console=console)
     task = progress.add_task("train", total=total, completed=start, info="")
 
     def update(r: StepRecord) -> None:

@@ -463,3 +463,31 @@ def test_rate_scale_divides_the_efficiencies_and_prices_growth_linearly():
     g1, g2, g3 = growth(1.0), growth(2.0), growth(3.0)
     assert g1 > 0 and g2 - g1 > 0
     assert g3 - g2 == pytest.approx(g2 - g1, rel=1e-6)
+
+
+def test_the_progress_line_off_a_terminal_reaches_stderr_whole(capfd):
+    """Off a terminal, rank 0's last progress render is one write that ends its line: rich writes the line and
+    its newline apart, and a launcher error printed between them was glued onto the progress line (CI saw
+    ``…tokens/s 4:06:34error: rank 1 stopped``, and the test of that error found no line starting ``error:``)."""
+    from moeplan.runtime import worker
+
+    writes: list[str] = []
+
+    class Recorder:
+        def write(self, text: str) -> None:
+            writes.append(text)
+
+        def flush(self) -> None:
+            pass
+
+    lines = worker._WholeLines(Recorder())
+    lines.write("step 3/3 loss 1.0")
+    assert writes == []
+    lines.write("\nstep")
+    lines.write(" 4/4\n")
+    assert writes == ["step 3/3 loss 1.0\n", "step 4/4\n"]
+    progress, update = worker._progress(3, 0)
+    with progress:
+        pass
+    err = capfd.readouterr().err
+    assert err.startswith("step 0/3") and err.endswith("\n") and err.count("\n") == 1, repr(err)
