@@ -79,11 +79,13 @@ def model_cost(graph: ModelGraph, layout: Layout, target: Target, dispatcher: Di
     for kind, (key, priced) in prices.items():  # chunks with empty layers
         layers[kind] = priced[0]
         piece[kind] = cache[("piece", key, overlap)]
-    _timeline_prices([prices[k] for k in counts], settings, overlap, cache)
+    missing = [prices[k] for k in counts if ("kind", prices[k][0], overlap) not in cache]
+    if missing:
+        _timeline_prices(missing, settings, overlap, cache)
+        for key, priced in missing:
+            cache[("kind", key, overlap)] = _kind_prices(key, priced[0].program, overlap, cache)
     for kind, n in counts.items():
         key, priced = prices[kind]
-        if ("kind", key, overlap) not in cache:
-            cache[("kind", key, overlap)] = _kind_prices(key, priced[0].program, overlap, cache)
         lf, li, lw, lp, edges[kind], lbusy = cache[("kind", key, overlap)]
         f, i, w, pair = f + n * lf, i + n * li, w + n * lw, pair + n * lp
         for tier, secs in lbusy.items():

@@ -266,14 +266,16 @@ def _lean(graph: ModelGraph) -> ModelGraph:
 
 def _shape_tasks(options: list[tuple[Layout, Strategy, tuple[float, float]]], slots: list[LayerKind],
                  weights: tuple[float, ...]) -> list[list[tuple[Layout, Strategy, tuple[float, float]]]]:
-    """The options grouped by layer-cost shape (one :func:`_estimate_shape` task each); sets what the workers read
-    besides the graph and the target."""
+    """The options grouped by layer-cost shape (one :func:`_floor_shape` task each); sets what the workers read
+    besides the graph and the target, these groups included: a task names its group by position, so the options
+    reach a forked worker with the fork (Ray's workers: once, in the object store), not pickled with every task."""
     groups: dict[tuple, list[tuple[Layout, Strategy, tuple[float, float]]]] = {}
     for opt in options:
         groups.setdefault(_shape_key(opt[0], opt[1]), []).append(opt)
     _SHARED["counts"], _SHARED["weights"], _SHARED["slots"] = Counter(slots), weights, tuple(slots)
     _SHARED["slot_flags"] = tuple(int(k in SLOT_KINDS) for k in slots)
-    return list(groups.values())
+    _SHARED["tasks"] = tasks = list(groups.values())
+    return tasks
 
 
 def _shape_key(layout: Layout, strategy: Strategy) -> tuple:
@@ -321,28 +323,28 @@ def _priced(options: list[tuple[Layout, Strategy, tuple[float, float]]]
                                                   dp_floor_s=dp_floors[dkey], overlap_dp=overlap_dp)
 
 
-def _estimate_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]
-                    ) -> list[tuple[tuple[bool, float], float, Layout, Strategy]]:
-    """(sort key, lower bound, layout, strategy) of each option of one layer-cost shape: the sort key puts the
+def _estimate_shape(job: tuple[int, tuple[int, ...]]) -> list[tuple[tuple[bool, float], float]]:
+    """(sort key, lower bound) of each option ``job`` names, (shape task, positions in it): the sort key puts the
     options whose memory estimate fits first, then orders by estimated step; the bound is
     :func:`moeplan.bounds.layout_bound`."""
     graph, target = _SHARED["graph"], _SHARED["target"]
+    task = _SHARED["tasks"][job[0]]
     out = []
-    for lay, st, params, cost, bound in _priced(options):
+    for lay, st, params, cost, bound in _priced([task[j] for j in job[1]]):
         memory = estimate_memory(lay, st, cost, kinds=_SHARED["slots"], target=target, budget=_SHARED["budget"],
                                  hidden_size=graph.spec.hidden_size)
         est = estimate_step(lay, st, cost, weights=_SHARED["weights"], slots=_SHARED["slot_flags"], params=params,
                             target=target, memory=memory)
-        out.append(((not est.fits, est.step_s), bound, lay, st))
+        out.append(((not est.fits, est.step_s), bound))
     return out
 
 
-def _floor_shape(options: list[tuple[Layout, Strategy, tuple[float, float]]]) -> list[tuple[float, float]]:
-    """(estimate floor, lower bound) of each option of one layer-cost shape (:func:`moeplan.estimate.estimate_floor`,
-    :func:`moeplan.bounds.layout_bound`)."""
+def _floor_shape(task: int) -> list[tuple[float, float]]:
+    """(estimate floor, lower bound) of each option of shape task ``task`` (:func:`_shape_tasks`;
+    :func:`moeplan.estimate.estimate_floor`, :func:`moeplan.bounds.layout_bound`)."""
     target = _SHARED["target"]
     return [(estimate_floor(lay, st, cost, params=params, target=target), bound)
-            for lay, st, params, cost, bound in _priced(options)]
+            for lay, st, params, cost, bound in _priced(_SHARED["tasks"][task])]
 
 
 class _Screen:
@@ -364,8 +366,9 @@ class _Screen:
     @cached_property
     def floor(self) -> list[float]:
         """Every option's estimate floor (and, on the way, its bound)."""
-        rows = [x for part in self.pool.map(_floor_shape, self.tasks, chunksize=max(1, len(self.tasks) // 16))
-                for x in part]
+        # small chunks: the shapes' costs differ, and a worker's last big chunk kept the other waiting
+        rows = [x for part in self.pool.map(_floor_shape, range(len(self.tasks)),
+                                            chunksize=max(1, len(self.tasks) // 64)) for x in part]
         self.bound = [x[1] for x in rows]
         return [x[0] for x in rows]
 
@@ -381,7 +384,7 @@ class _Screen:
         for i in options:
             if self.key[i] is None:
                 groups.setdefault(self.at[i][0], []).append(i)
-        jobs = [[self.tasks[t][self.at[i][1]] for i in ids] for t, ids in groups.items()]
+        jobs = [(t, tuple(self.at[i][1] for i in ids)) for t, ids in groups.items()]
         parts = self.pool.map(_estimate_shape, jobs, chunksize=max(1, len(jobs) // 16))
         for ids, part in zip(groups.values(), parts):
             for i, x in zip(ids, part):
