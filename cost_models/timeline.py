@@ -94,13 +94,21 @@ class StepExceeded(MoeplanError):
 
 
 # ---- what the loop reads: the programs and the buffers -----------------------------------------------------------------
+class Repeated(NamedTuple):
+    """``part`` run ``times`` times back to back as one segment list: what ``concat_segments([part] * times)``
+    makes (cost_models/timeline_types.py), packed without building it (:func:`action_times_s`; the layout search
+    prices overlapped pairs of 2 and 4 layers this way: moeplan/estimate.py)."""
+
+    part: Sequence[Segment]
+    times: int
+
+
 class _Packed(NamedTuple):
-    """The programs as the core reads them, the comm classes (index → name; ``pp`` first) and each program's
-    segments, and per program its segment count and how many of its segments hold each tier or slow compute."""
+    """The programs as the core reads them, the comm classes (index → name; ``pp`` first), and per program its
+    segment count and how many of its segments hold each tier or slow compute."""
 
     programs: core.Programs
     classes: list[str]
-    segments: list[tuple[Segment, ...]]
     n: np.ndarray
     on_tier: np.ndarray  # [program, tier]
     slowing: np.ndarray
@@ -109,13 +117,16 @@ class _Packed(NamedTuple):
 _FIELDS = attrgetter("seconds", "kind", "kernels", "deferrable", "async_by", "host_sync", "comm", "after")
 
 
-def _pack_programs(phases: Sequence[Sequence[Segment]], activation_bytes: Sequence[float],
+def _pack_programs(phases: Sequence[Sequence[Segment] | Repeated], activation_bytes: Sequence[float],
                    settings: RunSettings) -> _Packed:
-    """Flatten the segment lists (program ``g`` = ``phases[g]``) into :class:`~cost_models.timeline_core.Programs`."""
+    """Flatten the segment lists (program ``g`` = ``phases[g]``) into :class:`~cost_models.timeline_core.Programs`.
+    Each distinct segment is read once: a :class:`Repeated` list's copies are its part's arrays, tiled, with the
+    dependencies :func:`~cost_models.timeline_types.concat_segments` gives them."""
     classes: dict[str, int] = {"pp": core.PP}
     mech, slow_by, slow0 = settings.mechanisms, settings.slowdown_by_kind, settings.compute_slowdown
     f8, i8, b1 = np.float64, np.int64, np.bool_
-    segs = list(chain.from_iterable(phases))
+    bases = [p.part if isinstance(p, Repeated) else p for p in phases]
+    segs = list(chain.from_iterable(bases))
     secs, kind, kernels, defer, async_by, sync, comms, after = (zip(*map(_FIELDS, segs)) if segs else [()] * 8)
     # a collective outside an OVERLAP_F_B pair blocks compute unless native or its mechanism is on
     blocks = {a: a != "native" and (a is None or a not in mech) for a in set(async_by)}
@@ -133,20 +144,27 @@ def _pack_programs(phases: Sequence[Sequence[Segment]], activation_bytes: Sequen
         return found
 
     comm = np.array([row(c) for c in comms], f8).reshape(-1, 6)
-    off = np.zeros(len(phases) + 1, i8)
-    np.cumsum([len(p) for p in phases], out=off[1:])
     is_comm = np.array([k == "comm" for k in kind], b1)
-    secs_a = np.array(secs, f8)
-    aoff = np.zeros(len(segs) + 1, i8)
-    np.cumsum(list(map(len, after)), out=aoff[1:])
-    to_comm = np.empty(len(segs))
+    deferrable = np.array(defer, b1)
+    alen = np.fromiter(map(len, after), i8, count=len(segs))
+    aidx = np.fromiter(chain.from_iterable(after), i8, count=int(alen.sum()))
+    if any(isinstance(p, Repeated) for p in phases):
+        src, alen, aidx = _tiled(phases, [len(b) for b in bases], alen, aidx, is_comm, deferrable)
+        comm, is_comm, deferrable = comm[src], is_comm[src], deferrable[src]
+    else:
+        src = slice(None)
+    aoff = np.zeros(len(alen) + 1, i8)
+    np.cumsum(alen, out=aoff[1:])
+    off = np.zeros(len(phases) + 1, i8)
+    np.cumsum([len(b) * (p.times if isinstance(p, Repeated) else 1) for p, b in zip(phases, bases)], out=off[1:])
+    secs_a = np.array(secs, f8)[src]
+    to_comm = np.empty(len(secs_a))
     core.to_comm(off, secs_a, is_comm, to_comm)
-    pg = core.Programs(off=off, secs=secs_a, is_comm=is_comm, kernels=np.array(kernels, i8),
-                       defer=np.array(defer, b1), blocking=np.array([blocks[a] for a in async_by], b1),
-                       busy_in=comm[:, 0].copy(), busy_out=comm[:, 1].copy(), sync=np.array(sync, b1),
+    pg = core.Programs(off=off, secs=secs_a, is_comm=is_comm, kernels=np.array(kernels, i8)[src],
+                       defer=deferrable, blocking=np.array([blocks[a] for a in async_by], b1)[src],
+                       busy_in=comm[:, 0].copy(), busy_out=comm[:, 1].copy(), sync=np.array(sync, b1)[src],
                        cls=comm[:, 2].astype(i8), slow=comm[:, 3].copy(), wire_in=comm[:, 4].copy(),
-                       wire_out=comm[:, 5].copy(), to_comm=to_comm,
-                       aoff=aoff, aidx=np.fromiter(chain.from_iterable(after), i8, count=int(aoff[-1])),
+                       wire_out=comm[:, 5].copy(), to_comm=to_comm, aoff=aoff, aidx=aidx,
                        act_bytes=np.array(activation_bytes, f8))
     n = np.diff(pg.off)
     program_of = np.repeat(np.arange(len(phases)), n)
@@ -156,7 +174,44 @@ def _pack_programs(phases: Sequence[Sequence[Segment]], activation_bytes: Sequen
 
     on_tier = np.stack([per_program(pg.busy_in > 0), per_program(pg.busy_out > 0)], axis=1)
     slowing = per_program(pg.is_comm & (pg.slow != 0))
-    return _Packed(pg, list(classes), [tuple(p) for p in phases], n, on_tier, slowing)
+    return _Packed(pg, list(classes), n, on_tier, slowing)
+
+
+def _tiled(phases: Sequence[Sequence[Segment] | Repeated], lengths: list[int], alen: np.ndarray, aidx: np.ndarray,
+           is_comm: np.ndarray, deferrable: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The programs' segments as indices into their distinct (base) segments, and their ``after`` lists (lengths,
+    flat indices), a :class:`Repeated` list's copies shifted and joined as ``concat_segments`` joins parts: a
+    copy's first segment also waits for the previous copy's last segment that is not deferrable, and for the
+    collectives right before it."""
+    i8 = np.int64
+    aoff = np.concatenate(([0], np.cumsum(alen)))
+    src, lens, idx = [], [], []
+    start = 0
+    for p, L in zip(phases, lengths):
+        own_len, own_idx = alen[start:start + L], aidx[aoff[start]:aoff[start + L]]
+        for j in range(p.times if isinstance(p, Repeated) else 1):
+            src.append(np.arange(start, start + L, dtype=i8))
+            copy_len, copy_idx = own_len, own_idx + j * L
+            tail = []
+            q = j * L - 1
+            while q >= 0 and deferrable[start + q % L]:
+                q -= 1
+            if q >= 0:
+                tail.append(q)
+                while is_comm[start + q % L] and q - 1 >= 0 and is_comm[start + (q - 1) % L]:
+                    q -= 1
+                    tail.append(q)
+            if tail and L:
+                first = sorted(set(copy_idx[:own_len[0]].tolist()) | set(tail))
+                copy_len = own_len.copy()
+                copy_len[0] = len(first)
+                copy_idx = np.concatenate((np.array(first, i8), copy_idx[own_len[0]:]))
+            lens.append(copy_len)
+            idx.append(copy_idx)
+        start += L
+    cat = np.concatenate
+    return (cat(src) if src else np.zeros(0, i8), cat(lens) if lens else np.zeros(0, i8),
+            cat(idx) if idx else np.zeros(0, i8))
 
 
 def _buffers(num_ranks: int, num_stages: int, num_mb: int, num_classes: int, part_progs: Sequence[np.ndarray],
@@ -223,10 +278,10 @@ def action_time_s(parts: Sequence[Sequence[Segment]], settings: RunSettings = Ru
     return action_times_s([parts], settings)[0]
 
 
-def action_times_s(actions: Sequence[Sequence[Sequence[Segment]]],
+def action_times_s(actions: Sequence[Sequence[Sequence[Segment] | Repeated]],
                    settings: RunSettings = RunSettings()) -> list[float]:
     """:func:`action_time_s` of each action, in one pass (the programs packed once)."""
-    phases: list[Sequence[Segment]] = []
+    phases: list[Sequence[Segment] | Repeated] = []
     first = [0]
     for parts in actions:
         for p in parts:  # each part is a stage's forward
@@ -271,8 +326,8 @@ def simulate(actions: Sequence[Sequence[str]], *, stages: Sequence[StageProgram]
     S = len(stages)
     lists = pack_actions(actions, S)
     R, M = len(actions), lists.num_microbatches
-    packed = _pack_programs([stage.phase(kind) for stage in stages for kind in KINDS],
-                            [s.activation_bytes for s in stages], settings)
+    phases = [stage.phase(kind) for stage in stages for kind in KINDS]
+    packed = _pack_programs(phases, [s.activation_bytes for s in stages], settings)
     cfg = _config(settings, detail, stop_above_s)
     slots = 8 * R
     while True:
@@ -284,7 +339,7 @@ def simulate(actions: Sequence[Sequence[str]], *, stages: Sequence[StageProgram]
         slots *= 2  # more parts of overlapped pairs in flight at once than the first guess
     if status != core.OK:
         raise _failure(status, st, pt, lists, S, M)
-    return _timeline(st, lists, packed, S, M)
+    return _timeline(st, lists, packed, [tuple(p) for p in phases], S, M)
 
 
 def _key_text(key: int, kinds: Sequence[str], S: int, M: int) -> str:
@@ -322,7 +377,8 @@ def _peak(times: np.ndarray, deltas: np.ndarray) -> float:
     return float(max(0.0, running.max(initial=0.0)))
 
 
-def _timeline(st: core.State, lists: PackedLists, packed: _Packed, S: int, M: int) -> Timeline:
+def _timeline(st: core.State, lists: PackedLists, packed: _Packed, programs: list[tuple[Segment, ...]], S: int,
+              M: int) -> Timeline:
     n = len(lists.part_progs)
     count = int(st.counts[0])
     ev, ev_t = st.ev[:count], st.ev_t[:count]
@@ -356,7 +412,7 @@ def _timeline(st: core.State, lists: PackedLists, packed: _Packed, S: int, M: in
     records = Records(events=ev, event_times=ev_t, recvs=recvs[:, :2],
                       recv_times=np.stack([st.send_start[recvs[:, 2]], st.send_end[recvs[:, 2]]], axis=1),
                       segments=st.seg[:st.counts[1]], segment_times=st.seg_t[:st.counts[1]], texts=lists.texts,
-                      programs=packed.segments)
+                      programs=programs)
     return Timeline(
         step_time_s=step, rank_end_s=tuple(rank_end), busy_s=tuple(busy), bubble_per_rank=bubbles,
         bubble=sum(bubbles) / max(1, n), peak_activation_bytes=peaks, comm=mean, comm_per_rank=per_rank,

@@ -19,8 +19,8 @@ from moeplan.cost_models.memory import (MODES, LayerParts, Overheads, RankParts,
                                         parts_on, state_bytes_per_param)
 from moeplan.cost_models.sharding import layer_cost
 from moeplan.cost_models.step import adam_s, beside_compute, dp_sync_s, owned_params, recompute_work, replica_reductions, step_sync_groups
-from moeplan.cost_models.timeline import action_times_s
-from moeplan.cost_models.timeline_types import RunSettings, concat_segments
+from moeplan.cost_models.timeline import Repeated, action_times_s
+from moeplan.cost_models.timeline_types import RunSettings
 from moeplan.ir import LayerKind, ModelGraph
 from moeplan.layout import Layout
 from moeplan.mechanisms import FB_PAIRED
@@ -118,7 +118,7 @@ def _timeline_prices(priced: list[tuple[tuple, tuple[LayerCost, dict[str, float]
     for prog in todo.values():
         actions += [[prog.fwd], [prog.bwd_input], [prog.weight_alone]]
         if fb:
-            actions += [[concat_segments([prog.fwd] * n), concat_segments([prog.backward] * n)] for n in (2, 4)]
+            actions += [[Repeated(prog.fwd, n), Repeated(prog.backward, n)] for n in (2, 4)]
     times = action_times_s(actions, settings) if actions else []
     width = 5 if fb else 3
     for j, entry in enumerate(todo):

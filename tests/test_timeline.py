@@ -5,10 +5,12 @@ from typing import NamedTuple
 import networkx as nx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
 from moeplan.actions import parse_action
-from moeplan.cost_models.timeline import action_time_s, simulate
+from moeplan.cost_models.timeline import Repeated, _pack_programs, action_time_s, action_times_s, simulate
 from moeplan.cost_models import timeline_core
 from moeplan.cost_models.timeline_types import RunSettings, StageProgram, concat_segments
 from moeplan.errors import PlanError
@@ -479,3 +481,35 @@ def test_stage_program_validation():
         StageProgram.uniform(1, -1)
     with pytest.raises(PlanError, match="p2p_s"):
         simulate(one_f_one_b(2, 1), stages=uniform(2), settings=RunSettings(p2p_s=-1))
+
+
+@st.composite
+def segment_lists(draw):
+    """A random segment list: compute and collectives, deferrable weight gradients, dependencies on earlier
+    segments (trailing collective runs and all-deferrable lists included)."""
+    out = []
+    for i in range(draw(st.integers(0, 7))):
+        after = tuple(sorted(draw(st.sets(st.integers(0, i - 1), max_size=2)))) if i else ()
+        secs = draw(st.sampled_from([0.0, 0.25, 1.0]))
+        if draw(st.booleans()):
+            out.append(collective(f"c{i}", secs, after, cls=draw(st.sampled_from(["ep", "tp"])),
+                                  async_by=draw(st.sampled_from([None, "native", "shared-expert"])),
+                                  host_sync=draw(st.booleans()), tier=draw(st.sampled_from(["intra", "inter"]))))
+        else:
+            out.append(compute(f"k{i}", secs, after, deferrable=draw(st.booleans())))
+    return tuple(out)
+
+
+@settings(max_examples=150, deadline=None)
+@given(parts=st.lists(st.tuples(segment_lists(), st.integers(1, 4)), min_size=1, max_size=3))
+def test_a_repeated_list_packs_as_its_concatenation(parts):
+    """``Repeated(part, n)`` is packed to the very arrays of ``concat_segments([part] * n)`` (the layout search
+    prices overlapped pairs of 2 and 4 layers with it), beside plain lists, and times the same."""
+    run = RunSettings(mechanisms=frozenset({"pp", "shared-expert"}), compute_slowdown=0.1, host_launch_s=0.01)
+    lazy = [Repeated(p, n) if n > 1 else p for p, n in parts]
+    built = [concat_segments([p] * n) for p, n in parts]
+    a, b = _pack_programs(lazy, [0.0] * len(parts), run), _pack_programs(built, [0.0] * len(parts), run)
+    for name in a.programs._fields:
+        assert np.array_equal(getattr(a.programs, name), getattr(b.programs, name)), name
+    assert a.classes == b.classes and np.array_equal(a.on_tier, b.on_tier) and np.array_equal(a.slowing, b.slowing)
+    assert action_times_s([[x] for x in lazy], run) == action_times_s([[x] for x in built], run)
