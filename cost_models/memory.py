@@ -38,6 +38,8 @@ from functools import lru_cache
 from operator import attrgetter, mul, sub
 from typing import Iterable, Mapping, Sequence
 
+from cachetools import LRUCache
+
 from moeplan.actions import compute_parts
 from moeplan.layout import Layout
 from moeplan.state import LayerCost, Precision, Recompute, StageMemory, Strategy
@@ -122,8 +124,21 @@ def peak_live_bytes(actions: Sequence[str], stage_bytes: Mapping[int, float]) ->
 def in_flight_vectors(actions: Sequence[str], stages: Sequence[int]) -> tuple[tuple[int, ...], ...]:
     """The distinct counts of micro-batches in flight per chunk (``stages[c]``: chunk c's pipeline stage) after
     each forward of one rank's action list, without those another one covers (every count ≤ its counts). The
-    activation peak of any per-chunk bytes is the largest of these vectors' sums (bytes are not negative)."""
-    return vectors_of(((a.kind, a.stage) for text in actions for a in compute_parts(text)), stages)
+    activation peak of any per-chunk bytes is the largest of these vectors' sums (bytes are not negative). Cached
+    per (list, stages), weighed by the list's length: the memory pass asks for each rank under each mode it tries,
+    and a search for every layout of one schedule."""
+    key = (tuple(actions), tuple(stages))
+    found = _VECTORS.get(key)
+    if found is None:
+        found = (len(key[0]), vectors_of(((a.kind, a.stage) for text in key[0] for a in compute_parts(text)), stages))
+        if found[0] <= _VECTORS.maxsize:
+            _VECTORS[key] = found
+    return found[1]
+
+
+_VECTORS: LRUCache = LRUCache(maxsize=1 << 20, getsizeof=lambda found: found[0])
+"""(actions its key holds, vectors) per (list, stages): at most 2^20 actions held (passes/schedule.py
+``ACTIONS_HELD``)."""
 
 
 def vectors_of(events: Iterable[tuple[str, int]], stages: Sequence[int]) -> tuple[tuple[int, ...], ...]:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar, Sequence
 
+from cachetools import LRUCache, cached
+
 from moeplan.actions import (OVERLAP, Action, action_kind, compute_parts, pair, parse_action, placement_of, stage_of,
                              with_comms)
 from moeplan.cost_models.memory import peak_live_bytes, vectors_of
@@ -224,10 +226,18 @@ def split_fb(compute: Sequence[str]) -> list[str]:
     return out
 
 
+ACTIONS_HELD = 1 << 20
+"""Actions the per-process caches of action lists and their in-flight vectors hold at most, each (about 60 MB of
+strings): a search builds the same lists for every layout of one schedule, pp, vpp and micro-batch count, and one
+layout's lists can hold 10^5 actions."""
+
+
+@cached(LRUCache(maxsize=ACTIONS_HELD, getsizeof=lambda lists: sum(map(len, lists))))
 def build_actions(kind: ScheduleKind, *, pp: int, vpp: int, num_microbatches: int,
                   fb: bool = False) -> tuple[tuple[str, ...], ...]:
     """Per-rank action lists (compute and p2p) of schedule ``kind`` (module docstring). Raises LayoutError when the
-    schedule does not fit the layout (:func:`schedule_fits`) or a count is < 1."""
+    schedule does not fit the layout (:func:`schedule_fits`) or a count is < 1. Cached per arguments: a search
+    builds the same lists for every layout of one (pp, vpp, micro-batch count)."""
     _check_counts(pp=pp, vpp=vpp, num_microbatches=num_microbatches)
     fit = schedule_fits(kind, pp=pp, vpp=vpp, num_microbatches=num_microbatches)
     if not fit.fits:
