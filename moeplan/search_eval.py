@@ -1,7 +1,7 @@
 """Steps 4–6 of the layout search (moeplan/search.py, whose module docstring describes them): the options grouped
 by layer-cost shape (:func:`_shape_key`) are floored and bounded in closed form in worker processes, and estimated
 where their floor could make them count (:func:`_floor_shape`, :func:`_estimate_shape`, :class:`_Screen`; an exact
-search estimates every option, without floors: :meth:`_Screen.ranked`); the best estimates, the follow-ups
+search too: its first simulations are the best estimates, the rest go in bound order); the best estimates, the follow-ups
 (:func:`_follow_ups`) or, for an exact search, every option whose bound is below the best step go through the full
 pipeline (:func:`_evaluate`, :func:`_estimate_and_evaluate`), which keeps the fastest (:class:`_Outcome`). Here
 too: what the workers read (``_SHARED``, set before they fork), the pool of forked workers (:class:`_Pool`;
@@ -130,8 +130,10 @@ def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, fl
     with pool(workers, ray) as workers_pool:
         out.workers = workers_pool.workers
         screen = _Screen(workers_pool, tasks)
-        order = screen.ranked() if candidates is None else screen.best(candidates)  # exact: every estimate
-        first = [screen.item(i) for i in order[:candidates if candidates is not None else max(keep, 4)]]
+        # exact: the best estimates start it (a step to beat early), then every option in bound order, whose
+        # bounds the floor phase gave: no other estimate is needed
+        order = screen.best(candidates if candidates is not None else max(keep, 4))
+        first = [screen.item(i) for i in order]
         planned = len(first)
         tell()
         # the first ones are simulated in full, whatever arrives first: what they measure decides the follow-ups
@@ -140,7 +142,9 @@ def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, fl
             out.add(r, est[1], _estimate_class(st))
             tell()
         if candidates is None:  # exact: in bound order; none of the rest can beat the best once a bound does not
-            then, left = sorted((screen.item(i) for i in order[len(first):]), key=lambda x: x[1]), []
+            started = set(order)
+            then = sorted((screen.item(i) for i in range(len(screen.at)) if i not in started), key=lambda x: x[1])
+            left = []
         else:
             chosen, others = screen.follow_ups(out, set(order), limit=candidates)
             then, left = [screen.item(i) for i in chosen], [screen.item(i) for i in others]
@@ -149,14 +153,14 @@ def _estimate_and_evaluate(options: list[tuple[Layout, Strategy, tuple[float, fl
         sent: deque[tuple[float, tuple[str, bool]]] = deque()  # (estimate, class) of each option in flight
 
         def sends() -> Iterator[tuple[Layout, Strategy, str, bool, float]]:
-            for i, ((_, est), bound, lay, st) in enumerate(then):
+            for i, (key, bound, lay, st) in enumerate(then):
                 if bound >= out.beat_s:
                     if candidates is None:  # in bound order: every later one is out too
                         out.pruned += len(then) - i
                         return
                     out.pruned += 1
                     continue
-                sent.append((est, _estimate_class(st)))
+                sent.append((key[1] if key else 0.0, _estimate_class(st)))  # unestimated (exact): no ratio
                 yield lay, st, pipeline, auto_overlap, out.beat_s
 
         for r in workers_pool.imap(_evaluate, sends()):
