@@ -201,7 +201,7 @@ def _tiled(phases: Sequence[Sequence[Segment] | Repeated], lengths: list[int], a
                 while is_comm[start + q % L] and q - 1 >= 0 and is_comm[start + (q - 1) % L]:
                     q -= 1
                     tail.append(q)
-            if tail and L:
+            if tail:  # (a tail means the part has segments)
                 first = sorted(set(copy_idx[:own_len[0]].tolist()) | set(tail))
                 copy_len = own_len.copy()
                 copy_len[0] = len(first)

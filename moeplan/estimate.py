@@ -114,7 +114,7 @@ def _timeline_prices(priced: list[tuple[tuple, tuple[LayerCost, dict[str, float]
         entry = ("timeline", key, _used(lc.program, overlap))
         if entry not in cache:
             todo[entry] = lc.program
-    actions: list[list[Sequence[Segment]]] = []
+    actions: list[list[Sequence[Segment] | Repeated]] = []
     for prog in todo.values():
         actions += [[prog.fwd], [prog.bwd_input], [prog.weight_alone]]
         if fb:
